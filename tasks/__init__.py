@@ -1,0 +1,1 @@
+"""Task definitions (datasets, prompts and scoring) for agl."""

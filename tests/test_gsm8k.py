@@ -1,0 +1,228 @@
+"""Tests for the GSM8K task: data loading, answer extraction, scoring."""
+
+import doctest
+from decimal import Decimal
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tasks.gsm8k import data, scoring
+from tasks.gsm8k.data import load_split, solution_text
+from tasks.gsm8k.scoring import (
+    extract_lenient,
+    extract_strict,
+    normalize_number,
+    numbers_equal,
+    reward,
+    score,
+)
+
+# ---------------------------------------------------------------- data
+
+
+@pytest.mark.parametrize("split,n", [("train", 7473), ("test", 1319)])
+def test_split_sizes_and_golds(split, n):
+    rows = load_split(split)
+    assert len(rows) == n
+    assert rows[0]["id"] == f"{split}-0" and rows[-1]["id"] == f"{split}-{n - 1}"
+    for row in rows:
+        assert set(row) == {"id", "question", "answer", "gold"}
+        assert "," not in row["gold"]
+        assert normalize_number(row["gold"]) == row["gold"], row  # every gold is a plain number
+        demo = solution_text(row)
+        assert "<<" not in demo and ">>" not in demo
+        assert extract_strict(demo) == row["gold"]  # demonstrations round-trip through the scorer
+
+
+def test_first_train_row():
+    row = load_split("train")[0]
+    assert row["gold"] == "72"
+    assert row["question"].startswith("Natalia sold clips")
+    assert solution_text(row) == (
+        "Natalia sold 48/2 = 24 clips in May.\n"
+        "Natalia sold 48+24 = 72 clips altogether in April and May.\n"
+        "#### 72"
+    )
+
+
+def test_load_split_is_cached_and_cwd_independent(tmp_path, monkeypatch):
+    first = load_split("test")
+    monkeypatch.chdir(tmp_path)
+    assert load_split("test") is first
+
+
+def test_unknown_split():
+    with pytest.raises(ValueError, match="valid splits: train, test"):
+        load_split("validation")
+
+
+# ---------------------------------------------------------------- doctests
+
+
+@pytest.mark.parametrize("module", [scoring, data])
+def test_doctests(module):
+    result = doctest.testmod(module)
+    assert result.attempted > 0 and result.failed == 0
+
+
+# ---------------------------------------------------------------- extraction units
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("#### 72", "72"),
+        ("reasoning\n#### 72", "72"),
+        ("#### 72.", "72"),  # trailing period
+        ("#### 72 .\n", "72"),
+        ("####72", "72"),
+        ("#### 1,234", "1234"),  # thousands separators
+        ("#### 1,234,567.", "1234567"),
+        ("#### $72", "72"),  # dollar prefix
+        ("#### $1,200.50", "1200.5"),
+        ("#### -7", "-7"),  # negatives
+        ("#### -$7", "-7"),
+        ("#### -3.5", "-3.5"),  # decimals
+        ("#### .5", "0.5"),
+        ("#### -.25", "-0.25"),
+        ("#### 72.0", "72"),  # trailing .0
+        ("#### 72.00", "72"),
+        ("#### 0", "0"),
+        ("#### -0.0", "0"),
+        ("#### 1\nmore text\n#### 2\n", "2"),  # last #### wins
+        ("#### 2\n\nQuestion: next one has 9 apples", "2"),  # later lines ignored
+        # not the format -> None
+        ("The answer is 72", None),
+        ("", None),
+        ("####", None),
+        ("#### \n72", None),
+        ("#### seventy-two", None),
+        ("#### 72 apples", None),
+        ("#### 1,23", None),
+        ("#### 72\n#### unsure", None),  # the last #### line is malformed
+    ],
+)
+def test_extract_strict(text, expected):
+    assert extract_strict(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("#### 12\nI think 13", "12"),  # strict wins when present
+        ("So the total is 72.", "72"),
+        ("3 + 4 = 7", "7"),  # the last number
+        ("It costs $1,234.50 in total.", "1234.5"),
+        ("The change is -3.5 degrees", "-3.5"),
+        ("5-3 = 2", "2"),
+        ("10-3", "3"),  # a subtraction's minus is not a sign
+        ("x = -3", "-3"),
+        ("About .5 of it", "0.5"),
+        ("There are 1,000 sheep, 2 dogs.", "2"),
+        ("No numbers here.", None),
+        ("", None),
+    ],
+)
+def test_extract_lenient(text, expected):
+    assert extract_lenient(text) == expected
+
+
+@pytest.mark.parametrize(
+    "a,b",
+    [("72", "72.0"), ("72", "$72"), ("72", "72.00"), ("1,000", "1000"), ("-3.5", "-3.50"),
+     (".5", "0.5"), ("0.1", "0.10"), ("-0", "0"), ("72.", "72")],
+)
+def test_numbers_equal(a, b):
+    assert numbers_equal(a, b) and numbers_equal(b, a)
+
+
+@pytest.mark.parametrize(
+    "a,b", [("72", "73"), ("0.1", "0.10000001"), ("72", None), (None, None), ("72", "abc"), ("-5", "5")]
+)
+def test_numbers_not_equal(a, b):
+    assert not numbers_equal(a, b)
+
+
+def test_normalize_number():
+    assert normalize_number("  1,234.500 ") == "1234.5"
+    assert normalize_number("1e5") is None
+    assert normalize_number("nan") is None
+    assert normalize_number("1 2") is None
+
+
+# ---------------------------------------------------------------- score / reward
+
+
+def test_score_and_reward():
+    good, wrong, unformatted = "48 + 24 = 72\n#### 72", "#### 71", "so the answer is 72"
+    assert score(good, "72") == {"format": True, "correct": True}
+    assert score(wrong, "72") == {"format": True, "correct": False}
+    assert score(unformatted, "72") == {"format": False, "correct": False}
+    assert score(unformatted, "72", strict=False) == {"format": False, "correct": True}
+    assert reward(good, "72") == 1.0
+    assert reward("#### $72.00.", "72") == 1.0
+    assert reward(wrong, "72") == 0.1
+    assert reward(wrong, "72", format_bonus=0.0) == 0.0
+    assert reward(unformatted, "72") == 0.0  # lenient-correct still earns nothing
+
+
+# ---------------------------------------------------------------- property tests
+
+# Prose without digits, '#', '$', '-', '.' or ',' so it cannot add or glue onto numbers.
+prose = st.text(alphabet=st.characters(codec="ascii", categories=["L", "Zs"]), max_size=40)
+integers = st.integers(min_value=-10**9, max_value=10**9).map(Decimal)
+decimals = st.decimals(min_value=-10**6, max_value=10**6, places=3, allow_nan=False, allow_infinity=False)
+values = st.one_of(integers, decimals)
+formats = st.sampled_from(["plain", "commas", "dollar", "dollar_commas", "trailing_zero", "period"])
+
+
+def render(value: Decimal, fmt: str) -> str:
+    """Write ``value`` the way a model might."""
+    sign, body = ("-" if value < 0 else ""), abs(value)
+    if fmt == "plain":
+        return f"{sign}{body}"
+    if fmt == "commas":
+        return f"{sign}{body:,}"
+    if fmt == "dollar":
+        return f"{sign}${body}"
+    if fmt == "dollar_commas":
+        return f"{sign}${body:,}"
+    if fmt == "trailing_zero":
+        text = f"{sign}{body}"
+        return text + ("0" if "." in text else ".0")
+    if fmt == "period":
+        return f"{sign}{body}."
+    raise ValueError(fmt)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=values, fmt=formats, before=prose, after=st.sampled_from(["", " ", ".", " .", "!\n", "\nnext line 5"]))
+def test_strict_recovers_rendered_number(value, fmt, before, after):
+    rendered = render(value, fmt)
+    extracted = extract_strict(f"{before}\n#### {rendered}{after}")
+    assert numbers_equal(extracted, str(value)), (rendered, extracted)
+    assert reward(f"{before}\n#### {rendered}{after}", str(value)) == 1.0
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=values, fmt=formats, before=prose, after=prose)
+def test_lenient_recovers_rendered_number_in_prose(value, fmt, before, after):
+    rendered = render(value, fmt)
+    extracted = extract_lenient(f"{before} {rendered} {after}")
+    assert numbers_equal(extracted, str(value)), (rendered, extracted)
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(max_size=200))
+def test_strict_none_without_hashes(text):
+    if "####" not in text:
+        assert extract_strict(text) is None
+        assert score(text, "1")["format"] is False
+
+
+@settings(max_examples=200, deadline=None)
+@given(nums=st.lists(st.tuples(values, formats), min_size=1, max_size=6), words=prose)
+def test_lenient_picks_last_number(nums, words):
+    text = " ".join(f"{words} {render(v, f)}" for v, f in nums) + f" {words}"
+    assert numbers_equal(extract_lenient(text), str(nums[-1][0]))
