@@ -1,0 +1,10 @@
+"""The run's store: one SQLite file per run (`<run dir>/store.sqlite`).
+
+`SqliteStore` is the LightningStore of the harness (agent-lightning v0.2 names
+and semantics). Status rules: `agl/store/rules.py`. Schema and views:
+`agl/store/schema.sql`. Guide and example queries: docs/store.md.
+"""
+
+from agl.store.store import ReadOnlyStoreError, SqliteStore
+
+__all__ = ["SqliteStore", "ReadOnlyStoreError"]

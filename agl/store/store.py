@@ -1,0 +1,859 @@
+"""`SqliteStore`: the LightningStore of the harness, one SQLite file per run.
+
+The algorithm enqueues rollouts and waits for them; runners dequeue them, write
+spans and finish attempts; the model route writes one span per LLM call; the
+trainer saves its run state (runstate.py). The API keeps agent-lightning
+v0.2's `LightningStore` names and semantics; the status rules are documented
+once, in `agl/store/rules.py`, and the schema in `schema.sql`.
+
+How it is built:
+* Every method is `async` and makes exactly one hop to the store's worker
+  thread, which owns the connection (db.py). The event loop never blocks on
+  SQLite, and a process's operations are serialized without locks.
+* Writes are one `BEGIN IMMEDIATE` transaction each (txn.py), so concurrent
+  dequeues — from tasks, threads or other processes on the same file — never
+  hand out the same rollout twice, and a `kill -9` leaves either all or none
+  of an operation.
+* Every hot-path statement is an index probe (queue head, deadline index,
+  primary keys), so operations cost O(log n) in the size of the store.
+* `wait_for_rollouts` sleeps on events set when a rollout becomes terminal in
+  this process; for commits made by other processes it polls `PRAGMA
+  data_version` (a counter, not a table read) every `poll_interval` and only
+  then re-reads the awaited rows by primary key.
+
+Unknown ids raise `ValueError` in every method that acts on or lists under an
+id. The two plain lookups, `get_rollout_by_id` and `get_resources_by_id`,
+return None for an unknown id (their agent-lightning signatures are Optional),
+and `query_rollouts(rollout_ids=...)` is a filter: unknown ids just match nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Literal, Optional, Sequence, TypeVar, Union
+
+from agl.store import db, rules, sessions, txn
+from agl.store.codec import (
+    ATTEMPT_COLUMNS,
+    ROLLOUT_COLUMNS,
+    SPAN_COLUMNS,
+    SPAN_PLACEHOLDERS,
+    RolloutRow,
+    attempt_from_row,
+    dumps,
+    dumps_or_none,
+    span_from_row,
+    span_params,
+)
+from agl.store.runstate import RunStateMixin
+from agl.store.txn import Tx
+from agl.types import (
+    UNSET,
+    Attempt,
+    AttemptedRollout,
+    AttemptStatus,
+    ResourcesUpdate,
+    Rollout,
+    RolloutConfig,
+    RolloutMode,
+    RolloutStatus,
+    Span,
+    Unset,
+)
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+StatusFilter = Union[RolloutStatus, str, Sequence[Union[RolloutStatus, str]], None]
+ConfigArg = Union[RolloutConfig, dict[str, Any], None]
+
+
+class ReadOnlyStoreError(RuntimeError):
+    """A write was attempted on a store opened with `readonly=True`."""
+
+
+class _Waiter:
+    """One `wait_for_rollouts` call: an event on its own loop, set from any thread."""
+
+    __slots__ = ("loop", "event")
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.event = asyncio.Event()
+
+    def wake(self) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.event.set)
+        except RuntimeError:  # its loop is closed: nobody is waiting any more
+            pass
+
+
+class SqliteStore(RunStateMixin):
+    """The run's store. See the module docstring; status rules in `agl/store/rules.py`.
+
+    Args:
+        path: the SQLite file (created with its parent directory if writable).
+        clock: returns the current time in seconds; injectable so tests can drive
+            deadlines. All stored times come from it.
+        readonly: open for reading only (e.g. a `report` command next to a live
+            run); writes raise `ReadOnlyStoreError`. See also `open_readonly`.
+        busy_timeout: seconds to wait for another process's write lock.
+        synchronous: "NORMAL" (default; durable across process crashes) or
+            "FULL" (also across power loss, at an fsync per commit). See db.py.
+        keep_checkpoints: how many latest checkpoints keep their blobs.
+        watchdog_interval: period of the deadline watchdog started by
+            `async with store` (None: do not start it there).
+        poll_interval: how often `wait_for_rollouts` looks for commits of other
+            processes and applies due deadlines.
+        session_check_interval: how often `check_timeouts` looks for dead processes.
+    """
+
+    def __init__(
+        self,
+        path: Union[str, Path],
+        *,
+        clock: Callable[[], float] = time.time,
+        readonly: bool = False,
+        busy_timeout: float = 30.0,
+        synchronous: db.Synchronous = "NORMAL",
+        keep_checkpoints: int = 2,
+        watchdog_interval: Optional[float] = 1.0,
+        poll_interval: float = 0.2,
+        session_check_interval: float = 5.0,
+    ):
+        if synchronous not in ("NORMAL", "FULL"):
+            raise ValueError("synchronous must be 'NORMAL' or 'FULL'")
+        if keep_checkpoints < 1:
+            raise ValueError("keep_checkpoints must be at least 1")
+        self.path = Path(path)
+        self.readonly = readonly
+        self._clock = clock
+        self._busy_timeout = busy_timeout
+        self._synchronous = synchronous
+        self._keep_checkpoints = keep_checkpoints
+        self._watchdog_interval = watchdog_interval
+        self._poll_interval = poll_interval
+        self._session_check_interval = session_check_interval
+        self._last_session_check = time.monotonic()
+        self._watchdog_task: Optional[asyncio.Task[None]] = None
+        self._waiters: dict[str, set[_Waiter]] = {}
+        self._waiters_lock = threading.Lock()
+        self._closed = False
+        self.session = None if readonly else sessions.current_session()
+        self._conn: Any = None
+        self._worker = db.Worker("agl-store")
+        try:
+            self._worker.call(self._open)
+        except BaseException:
+            self._worker.call(self._close_connection)
+            self._worker.shutdown()
+            raise
+
+    @classmethod
+    def open_readonly(cls, path: Union[str, Path], **kwargs: Any) -> "SqliteStore":
+        """Open an existing store for reading only, next to a live writer if need be."""
+        return cls(path, readonly=True, **kwargs)
+
+    @property
+    def session_id(self) -> Optional[str]:
+        """This store's session (None when read-only); attempts it creates carry it."""
+        return None if self.session is None else self.session.session_id
+
+    # -- lifecycle ---------------------------------------------------------------
+
+    def _open(self) -> None:
+        self._conn = db.connect(
+            self.path, readonly=self.readonly, busy_timeout=self._busy_timeout, synchronous=self._synchronous
+        )
+        if self.readonly:
+            db.check_schema(self._conn)
+            return
+        db.install_schema(self._conn)
+        with db.write_transaction(self._conn):
+            sessions.register(self._conn, self.session)  # type: ignore[arg-type]
+        self._reap_dead_sessions()
+
+    def _close_connection(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    async def close(self) -> None:
+        """Stop the watchdog, end this session (R7: its active attempts become
+        unresponsive) and close the file. Idempotent."""
+        if self._closed:
+            return
+        await self.stop_watchdog()
+        self._closed = True
+        try:
+            await self._worker.run(self._close_sync)
+        finally:
+            self._worker.shutdown()
+            self._wake_all()
+
+    def _close_sync(self) -> None:
+        try:
+            if not self.readonly and self._conn is not None:
+                self._write_sync(self._end_session_tx)
+        finally:
+            self._close_connection()
+
+    def _end_session_tx(self, tx: Tx) -> None:
+        txn.orphan_session_attempts(tx, self.session_id)  # type: ignore[arg-type]
+        sessions.mark_closed(tx.conn, self.session_id, "closed")  # type: ignore[arg-type]
+
+    async def __aenter__(self) -> "SqliteStore":
+        if not self.readonly and self._watchdog_interval is not None:
+            await self.start_watchdog(self._watchdog_interval)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- plumbing ----------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"store {self.path} is closed")
+
+    def _write_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        tx = Tx(self._conn, self._clock(), self.session_id)
+        with db.write_transaction(self._conn):
+            result = fn(tx, *args)
+        if tx.finished:
+            self._notify(tx.finished)
+        return result
+
+    def _durable_write_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        # synchronous=FULL for this one COMMIT: it is fsynced (with all before it).
+        self._conn.execute("PRAGMA synchronous=FULL")
+        try:
+            return self._write_sync(fn, *args)
+        finally:
+            self._conn.execute(f"PRAGMA synchronous={self._synchronous}")
+
+    async def _write(self, fn: Callable[..., T], *args: Any, durable: bool = False) -> T:
+        """Run `fn(tx, *args)` in one write transaction on the worker thread;
+        `durable=True` flushes its commit to disk whatever `synchronous` is."""
+        self._check_open()
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only")
+        return await self._worker.run(self._durable_write_sync if durable else self._write_sync, fn, *args)
+
+    def _read_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        with db.read_transaction(self._conn):
+            return fn(self._conn, *args)
+
+    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(conn, *args)` in one read transaction (a consistent snapshot)."""
+        self._check_open()
+        return await self._worker.run(self._read_sync, fn, *args)
+
+    # -- waiters -----------------------------------------------------------------
+
+    def _notify(self, rollout_ids: Iterable[str]) -> None:
+        with self._waiters_lock:
+            targets = {w for rid in rollout_ids for w in self._waiters.get(rid, ())}
+        for waiter in targets:
+            waiter.wake()
+
+    def _wake_all(self) -> None:
+        with self._waiters_lock:
+            targets = {w for ws in self._waiters.values() for w in ws}
+        for waiter in targets:
+            waiter.wake()
+
+    def _register(self, rollout_ids: Iterable[str], waiter: _Waiter) -> None:
+        with self._waiters_lock:
+            for rid in rollout_ids:
+                self._waiters.setdefault(rid, set()).add(waiter)
+
+    def _unregister(self, rollout_ids: Iterable[str], waiter: _Waiter) -> None:
+        with self._waiters_lock:
+            for rid in rollout_ids:
+                ws = self._waiters.get(rid)
+                if ws is not None:
+                    ws.discard(waiter)
+                    if not ws:
+                        del self._waiters[rid]
+
+    # -- rollouts ----------------------------------------------------------------
+
+    def _new_rollout_tx(
+        self, tx: Tx, input: Any, mode: Optional[str], resources_id: Optional[str],
+        config: ConfigArg, metadata: Optional[dict[str, Any]], status: RolloutStatus, queue_seq: Optional[int],
+    ) -> RolloutRow:
+        if resources_id is None:
+            resources_id = txn.latest_resources_id(tx.conn)
+        else:
+            txn.require_resources(tx.conn, resources_id)
+        cfg = config if isinstance(config, RolloutConfig) else RolloutConfig.model_validate(config or {})
+        row = txn.insert_rollout(
+            tx, input_json=dumps_or_none(input), mode=mode, resources_id=resources_id,
+            config_json=cfg.model_dump_json(), metadata_json=dumps(metadata or {}),
+            status=status, queue_seq=queue_seq,
+        )
+        row.to_model()  # validate (mode, ...) before COMMIT; an error rolls back
+        return row
+
+    def _enqueue_tx(
+        self, tx: Tx, inputs: Sequence[Any], mode: Optional[str], resources_id: Optional[str],
+        config: ConfigArg, metadata: Union[dict[str, Any], Sequence[dict[str, Any]], None],
+    ) -> list[Rollout]:
+        metas = metadata if isinstance(metadata, (list, tuple)) else [metadata] * len(inputs)
+        if len(metas) != len(inputs):
+            raise ValueError("metadata must be one dict, or one per input")
+        seq = txn.next_queue_seq(tx)
+        rows = [
+            self._new_rollout_tx(tx, inp, mode, resources_id, config, meta, RolloutStatus.QUEUING, seq + i)
+            for i, (inp, meta) in enumerate(zip(inputs, metas))
+        ]
+        return [row.to_model() for row in rows]
+
+    async def enqueue_rollout(
+        self,
+        input: Any,
+        mode: Optional[RolloutMode] = None,
+        resources_id: Optional[str] = None,
+        config: ConfigArg = None,
+        metadata: Optional[dict[str, Any]] = None,
+    ) -> Rollout:
+        """Add a `queuing` rollout at the back of the queue (R1).
+
+        `metadata={"step": n, ...}` ties it to training step n (see
+        `query_rollouts(step=n)`)."""
+        return (await self._write(self._enqueue_tx, [input], mode, resources_id, config, metadata))[0]
+
+    async def enqueue_rollouts(
+        self,
+        inputs: Sequence[Any],
+        mode: Optional[RolloutMode] = None,
+        resources_id: Optional[str] = None,
+        config: ConfigArg = None,
+        metadata: Union[dict[str, Any], Sequence[dict[str, Any]], None] = None,
+    ) -> list[Rollout]:
+        """Enqueue many rollouts in one transaction, in order: all of them or none.
+
+        This is how a trainer enqueues a step's batch so that a crash never
+        leaves half a step in the queue. `metadata` is one dict for all, or one
+        per input."""
+        return await self._write(self._enqueue_tx, list(inputs), mode, resources_id, config, metadata)
+
+    def _start_rollout_tx(
+        self, tx: Tx, input: Any, mode: Optional[str], resources_id: Optional[str],
+        config: ConfigArg, metadata: Optional[dict[str, Any]], worker_id: Optional[str],
+    ) -> AttemptedRollout:
+        row = self._new_rollout_tx(tx, input, mode, resources_id, config, metadata, RolloutStatus.PREPARING, None)
+        attempt = txn.create_attempt(tx, row, worker_id)
+        return row.to_attempted(attempt)
+
+    async def start_rollout(
+        self,
+        input: Any,
+        mode: Optional[RolloutMode] = None,
+        resources_id: Optional[str] = None,
+        config: ConfigArg = None,
+        metadata: Optional[dict[str, Any]] = None,
+        worker_id: Optional[str] = None,
+    ) -> AttemptedRollout:
+        """Create a rollout and its attempt 1, both `preparing`, bypassing the queue (R1)."""
+        return await self._write(self._start_rollout_tx, input, mode, resources_id, config, metadata, worker_id)
+
+    def _dequeue_sync(self, worker_id: Optional[str]) -> Optional[AttemptedRollout]:
+        # Read-only probe first: an idle runner polling an empty queue must not
+        # take the write lock (that would stall the writers of other processes).
+        conn = self._conn
+        now = self._clock()
+        queued = conn.execute("SELECT 1 FROM rollouts WHERE queue_seq IS NOT NULL LIMIT 1").fetchone()
+        if queued is None and not txn.has_due_deadline(conn, now):
+            return None
+        return self._write_sync(self._dequeue_tx, worker_id)
+
+    def _dequeue_tx(self, tx: Tx, worker_id: Optional[str]) -> Optional[AttemptedRollout]:
+        txn.expire_due_attempts(tx)  # R6, cheaply: one index probe when nothing is due
+        raw = tx.conn.execute(
+            f"SELECT {ROLLOUT_COLUMNS} FROM rollouts WHERE queue_seq IS NOT NULL ORDER BY queue_seq LIMIT 1"
+        ).fetchone()
+        if raw is None:
+            return None
+        row = RolloutRow(raw)
+        attempt = txn.create_attempt(tx, row, worker_id)
+        return row.to_attempted(attempt, status=RolloutStatus.PREPARING, end_time=None)
+
+    async def dequeue_rollout(self, worker_id: Optional[str] = None) -> Optional[AttemptedRollout]:
+        """Take the oldest queued rollout and create its next attempt (R2); None if the
+        queue is empty. Never blocks; never hands a queue entry out twice."""
+        self._check_open()
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only")
+        return await self._worker.run(self._dequeue_sync, worker_id)
+
+    def _start_attempt_tx(self, tx: Tx, rollout_id: str, worker_id: Optional[str]) -> AttemptedRollout:
+        row = txn.get_rollout(tx.conn, rollout_id)
+        attempt = txn.create_attempt(tx, row, worker_id)
+        return row.to_attempted(attempt, status=RolloutStatus.PREPARING, end_time=None)
+
+    async def start_attempt(self, rollout_id: str, worker_id: Optional[str] = None) -> AttemptedRollout:
+        """Create the next attempt of a rollout on demand (R2: an explicit retry)."""
+        return await self._write(self._start_attempt_tx, rollout_id, worker_id)
+
+    @staticmethod
+    def _query_rollouts(
+        conn: Any, statuses: Optional[list[str]], rollout_ids: Optional[list[str]], step: Optional[int]
+    ) -> list[Rollout]:
+        where, params = [], []
+        if statuses is not None:
+            where.append("status IN (SELECT value FROM json_each(?))")
+            params.append(dumps(statuses))
+        if rollout_ids is not None:
+            where.append("rollout_id IN (SELECT value FROM json_each(?))")
+            params.append(dumps(rollout_ids))
+        if step is not None:
+            where.append("step = ?")
+            params.append(step)
+        sql = f"SELECT {ROLLOUT_COLUMNS} FROM rollouts"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        return [RolloutRow(raw).to_model() for raw in conn.execute(sql + " ORDER BY seq", params)]
+
+    async def query_rollouts(
+        self,
+        status: StatusFilter = None,
+        rollout_ids: Optional[Sequence[str]] = None,
+        *,
+        step: Optional[int] = None,
+    ) -> list[Rollout]:
+        """Rollouts in creation order, filtered by status (one or a list), ids and/or
+        training step (`metadata["step"]`, indexed)."""
+        statuses = None
+        if status is not None:
+            statuses = [RolloutStatus(status).value] if isinstance(status, str) else [
+                RolloutStatus(s).value for s in status
+            ]
+        ids = None if rollout_ids is None else list(rollout_ids)
+        return await self._read(self._query_rollouts, statuses, ids, step)
+
+    async def get_rollout_by_id(self, rollout_id: str) -> Optional[Rollout]:
+        """The rollout, or None if there is no such id."""
+
+        def read(conn: Any) -> Optional[Rollout]:
+            row = txn.find_rollout(conn, rollout_id)
+            return None if row is None else row.to_model()
+
+        return await self._read(read)
+
+    def _update_rollout_tx(
+        self, tx: Tx, rollout_id: str, input: Any, mode: Any, resources_id: Any,
+        status: Any, config: Any, metadata: Any,
+    ) -> Rollout:
+        row = txn.get_rollout(tx.conn, rollout_id)
+        sets: list[str] = []
+        params: list[Any] = []
+        if input is not UNSET:
+            sets.append("input = ?")
+            params.append(dumps_or_none(input))
+        if mode is not UNSET:
+            sets.append("mode = ?")
+            params.append(mode)
+        if resources_id is not UNSET:
+            if resources_id is not None:
+                txn.require_resources(tx.conn, resources_id)
+            sets.append("resources_id = ?")
+            params.append(resources_id)
+        if config is not UNSET:
+            cfg = config if isinstance(config, RolloutConfig) else RolloutConfig.model_validate(config or {})
+            sets.append("config = ?")
+            params.append(cfg.model_dump_json())
+            txn.refresh_deadlines(tx, rollout_id, cfg)
+        if metadata is not UNSET:
+            sets.append("metadata = ?")
+            params.append(dumps_or_none(metadata))
+        if sets:
+            tx.conn.execute(f"UPDATE rollouts SET {', '.join(sets)} WHERE rollout_id = ?", (*params, rollout_id))
+        if status is not UNSET:
+            txn.set_rollout_status(tx, rollout_id, row.status, RolloutStatus(status))  # R8
+        return txn.get_rollout(tx.conn, rollout_id).to_model()
+
+    async def update_rollout(
+        self,
+        rollout_id: str,
+        input: Any = UNSET,
+        mode: Union[Optional[RolloutMode], Unset] = UNSET,
+        resources_id: Union[Optional[str], Unset] = UNSET,
+        status: Union[RolloutStatus, str, Unset] = UNSET,
+        config: Union[RolloutConfig, dict[str, Any], Unset] = UNSET,
+        metadata: Union[Optional[dict[str, Any]], Unset] = UNSET,
+    ) -> Rollout:
+        """Change the given fields (UNSET: leave as is; None: set to null). `metadata`
+        replaces the old dict. A status is set as given (R8); a new config also
+        moves the deadlines of the rollout's active attempts (R6)."""
+        return await self._write(
+            self._update_rollout_tx, rollout_id, input, mode, resources_id, status, config, metadata
+        )
+
+    # -- attempts ----------------------------------------------------------------
+
+    async def query_attempts(self, rollout_id: str) -> list[Attempt]:
+        """All attempts of a rollout, oldest first."""
+
+        def read(conn: Any) -> list[Attempt]:
+            txn.get_rollout(conn, rollout_id)
+            rows = conn.execute(
+                f"SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE rollout_id = ? ORDER BY sequence_id",
+                (rollout_id,),
+            )
+            return [attempt_from_row(r) for r in rows]
+
+        return await self._read(read)
+
+    async def get_latest_attempt(self, rollout_id: str) -> Optional[Attempt]:
+        """The rollout's latest attempt, or None if it has none yet."""
+
+        def read(conn: Any) -> Optional[Attempt]:
+            row = txn.get_rollout(conn, rollout_id)
+            if row.num_attempts == 0:
+                return None
+            return attempt_from_row(txn.get_attempt_row(conn, row, "latest"))
+
+        return await self._read(read)
+
+    def _update_attempt_tx(
+        self, tx: Tx, rollout_id: str, attempt_id: str, status: Any, worker_id: Any,
+        last_heartbeat_time: Any, metadata: Any,
+    ) -> Attempt:
+        rollout = txn.get_rollout(tx.conn, rollout_id)
+        raw = txn.get_attempt_row(tx.conn, rollout, attempt_id)
+        real_id = raw[1]
+        sets: list[str] = []
+        params: list[Any] = []
+        if worker_id is not UNSET:
+            sets.append("worker_id = ?")
+            params.append(worker_id)
+        if last_heartbeat_time is not UNSET:
+            sets.append("last_heartbeat_time = ?")
+            params.append(last_heartbeat_time)
+        if metadata is not UNSET:
+            sets.append("metadata = ?")
+            params.append(dumps_or_none(metadata))
+        if sets:
+            raw = tx.conn.execute(
+                f"UPDATE attempts SET {', '.join(sets)} WHERE attempt_id = ? RETURNING {ATTEMPT_COLUMNS}",
+                (*params, real_id),
+            ).fetchone()
+        if status is not UNSET:
+            raw = txn.set_attempt_status(tx, real_id, AttemptStatus(status))
+            txn.propagate(tx, rollout, raw[2], raw[3])  # R4 (only if latest, R5)
+        return attempt_from_row(raw)
+
+    async def update_attempt(
+        self,
+        rollout_id: str,
+        attempt_id: Union[str, Literal["latest"]],
+        status: Union[AttemptStatus, str, Unset] = UNSET,
+        worker_id: Union[Optional[str], Unset] = UNSET,
+        last_heartbeat_time: Union[Optional[float], Unset] = UNSET,
+        metadata: Union[Optional[dict[str, Any]], Unset] = UNSET,
+    ) -> Attempt:
+        """Change an attempt (or the rollout's "latest"). A status change of the latest
+        attempt propagates to the rollout (R4), e.g. `status="succeeded"` finishes it."""
+        return await self._write(
+            self._update_attempt_tx, rollout_id, attempt_id, status, worker_id, last_heartbeat_time, metadata
+        )
+
+    # -- spans -------------------------------------------------------------------
+
+    def _add_span_tx(self, tx: Tx, span: Span) -> Span:
+        conn = tx.conn
+        found = conn.execute(
+            "SELECT a.sequence_id, a.status, r.status, r.config, r.num_attempts, r.last_span_seq "
+            "FROM attempts a JOIN rollouts r ON r.rollout_id = a.rollout_id "
+            "WHERE a.attempt_id = ? AND a.rollout_id = ?",
+            (span.attempt_id, span.rollout_id),
+        ).fetchone()
+        if found is None:
+            rollout = txn.get_rollout(conn, span.rollout_id)  # raises for an unknown rollout
+            txn.get_attempt_row(conn, rollout, span.attempt_id)  # raises for an unknown attempt
+        attempt_seq, attempt_status, rollout_status, config_json, num_attempts, last_span_seq = found
+        sequence_id = last_span_seq + 1 if span.sequence_id is None else span.sequence_id
+        conn.execute(f"INSERT INTO spans ({SPAN_COLUMNS}) VALUES ({SPAN_PLACEHOLDERS})", span_params(span, sequence_id))
+
+        # R3: the span is a heartbeat; it may revive the latest attempt.
+        is_latest = attempt_seq == num_attempts
+        new_status = rules.attempt_status_after_heartbeat(AttemptStatus(attempt_status), is_latest)
+        if new_status != attempt_status:
+            conn.execute(
+                "UPDATE attempts SET last_heartbeat_time = ?, status = ?, end_time = NULL WHERE attempt_id = ?",
+                (tx.now, new_status.value, span.attempt_id),
+            )
+        else:
+            conn.execute(
+                "UPDATE attempts SET last_heartbeat_time = ? WHERE attempt_id = ?", (tx.now, span.attempt_id)
+            )
+        if sequence_id > last_span_seq:
+            conn.execute(
+                "UPDATE rollouts SET last_span_seq = ? WHERE rollout_id = ?", (sequence_id, span.rollout_id)
+            )
+        if is_latest and new_status == AttemptStatus.RUNNING and rollout_status != RolloutStatus.RUNNING:
+            rollout = RolloutRow((span.rollout_id, None, None, None, rollout_status, config_json,
+                                  None, None, None, num_attempts, None, None))
+            txn.propagate(tx, rollout, attempt_seq, new_status)  # R4
+        if span.sequence_id is None:
+            return span.model_copy(update={"sequence_id": sequence_id})
+        return span
+
+    async def add_span(self, span: Span) -> Span:
+        """Store a span (sequence_id assigned if None) and count it as a heartbeat (R3).
+        Returns the stored span."""
+        return await self._write(self._add_span_tx, span)
+
+    def _next_span_seq_tx(self, tx: Tx, rollout_id: str, attempt_id: str) -> int:
+        rollout = txn.get_rollout(tx.conn, rollout_id)
+        txn.get_attempt_row(tx.conn, rollout, attempt_id)
+        return tx.conn.execute(
+            "UPDATE rollouts SET last_span_seq = last_span_seq + 1 WHERE rollout_id = ? RETURNING last_span_seq",
+            (rollout_id,),
+        ).fetchone()[0]
+
+    async def get_next_span_sequence_id(self, rollout_id: str, attempt_id: str) -> int:
+        """Reserve the next span sequence id of the rollout: strictly increasing within
+        the rollout, never issued twice."""
+        return await self._write(self._next_span_seq_tx, rollout_id, attempt_id)
+
+    async def query_spans(
+        self, rollout_id: str, attempt_id: Union[str, Literal["latest"], None] = None
+    ) -> list[Span]:
+        """Spans of a rollout in sequence order: all attempts (None), the latest
+        attempt ("latest"), or one attempt."""
+
+        def read(conn: Any) -> list[Span]:
+            rollout = txn.get_rollout(conn, rollout_id)
+            if attempt_id is None:
+                rows = conn.execute(
+                    f"SELECT {SPAN_COLUMNS} FROM spans WHERE rollout_id = ? ORDER BY sequence_id", (rollout_id,)
+                )
+            else:
+                if attempt_id == "latest" and rollout.num_attempts == 0:
+                    return []
+                real_id = txn.get_attempt_row(conn, rollout, attempt_id)[1]
+                rows = conn.execute(
+                    f"SELECT {SPAN_COLUMNS} FROM spans WHERE rollout_id = ? AND attempt_id = ? ORDER BY sequence_id",
+                    (rollout_id, real_id),
+                )
+            return [span_from_row(r) for r in rows]
+
+        return await self._read(read)
+
+    # -- resources ---------------------------------------------------------------
+
+    @staticmethod
+    def _resources_from_row(raw: Any) -> ResourcesUpdate:
+        return ResourcesUpdate(resources_id=raw[0], resources=json.loads(raw[1]), create_time=raw[2], update_time=raw[3])
+
+    def _add_resources_tx(self, tx: Tx, resources: dict[str, Any], resources_id: Optional[str]) -> ResourcesUpdate:
+        resources_id = resources_id or txn.new_resources_id()
+        if tx.conn.execute("SELECT 1 FROM resources WHERE resources_id = ?", (resources_id,)).fetchone():
+            raise ValueError(f"Resources {resources_id!r} already exist")
+        tx.conn.execute(
+            "INSERT INTO resources (resources_id, resources, version, create_time, update_time) "
+            "VALUES (?, ?, (SELECT coalesce(max(version), 0) + 1 FROM resources), ?, ?)",
+            (resources_id, dumps(resources), tx.now, tx.now),
+        )
+        return ResourcesUpdate(resources_id=resources_id, resources=resources, create_time=tx.now, update_time=tx.now)
+
+    async def add_resources(self, resources: dict[str, Any], resources_id: Optional[str] = None) -> ResourcesUpdate:
+        """Store a new resources version under a new id (or the given unused one); it
+        becomes the latest, which rollouts created without resources_id get (R1)."""
+        return await self._write(self._add_resources_tx, dict(resources), resources_id)
+
+    def _update_resources_tx(self, tx: Tx, resources_id: str, resources: dict[str, Any]) -> ResourcesUpdate:
+        raw = tx.conn.execute(
+            "UPDATE resources SET resources = ?, update_time = ?, "
+            "version = (SELECT max(version) + 1 FROM resources) WHERE resources_id = ? "
+            "RETURNING resources_id, resources, create_time, update_time",
+            (dumps(resources), tx.now, resources_id),
+        ).fetchone()
+        if raw is None:
+            raise ValueError(f"Resources {resources_id!r} not found")
+        return self._resources_from_row(raw)
+
+    async def update_resources(self, resources_id: str, resources: dict[str, Any]) -> ResourcesUpdate:
+        """Replace the content of existing resources; like agent-lightning, they also
+        become the latest."""
+        return await self._write(self._update_resources_tx, resources_id, dict(resources))
+
+    async def get_resources_by_id(self, resources_id: str) -> Optional[ResourcesUpdate]:
+        """The resources, or None if there is no such id."""
+
+        def read(conn: Any) -> Optional[ResourcesUpdate]:
+            raw = conn.execute(
+                "SELECT resources_id, resources, create_time, update_time FROM resources WHERE resources_id = ?",
+                (resources_id,),
+            ).fetchone()
+            return None if raw is None else self._resources_from_row(raw)
+
+        return await self._read(read)
+
+    async def get_latest_resources(self) -> Optional[ResourcesUpdate]:
+        def read(conn: Any) -> Optional[ResourcesUpdate]:
+            raw = conn.execute(
+                "SELECT resources_id, resources, create_time, update_time FROM resources "
+                "ORDER BY version DESC LIMIT 1"
+            ).fetchone()
+            return None if raw is None else self._resources_from_row(raw)
+
+        return await self._read(read)
+
+    # -- waiting -----------------------------------------------------------------
+
+    def _wait_probe(
+        self, rollout_ids: list[str], last_version: Optional[int], check_unknown: bool
+    ) -> tuple[Optional[dict[str, Rollout]], int]:
+        """Apply due deadlines, then return the terminal ones among `rollout_ids`, or
+        None if no other process committed since `last_version` (nothing to re-read)."""
+        if not self.readonly:
+            self._expire_due()
+        conn = self._conn
+        with db.read_transaction(conn):
+            version = conn.execute("PRAGMA data_version").fetchone()[0]
+            if version == last_version:
+                return None, version
+            rows = [
+                RolloutRow(raw)
+                for raw in conn.execute(
+                    f"SELECT {ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id IN (SELECT value FROM json_each(?))",
+                    (dumps(rollout_ids),),
+                )
+            ]
+        if check_unknown and len(rows) < len(rollout_ids):
+            known = {r.rollout_id for r in rows}
+            unknown = [rid for rid in rollout_ids if rid not in known]
+            raise ValueError(f"Rollouts not found: {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
+        return {r.rollout_id: r.to_model() for r in rows if rules.is_terminal(r.status)}, version
+
+    async def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None) -> list[Rollout]:
+        """Wait until all the rollouts are terminal or `timeout` seconds pass; return
+        those that are terminal by then, in the order asked.
+
+        Wakes as soon as this process finishes one; commits of other processes are
+        noticed within `poll_interval`. `timeout=0` just checks."""
+        self._check_open()
+        ids = list(dict.fromkeys(rollout_ids))
+        if not ids:
+            return []
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        waiter = _Waiter()
+        self._register(ids, waiter)  # before the first read: no wake-up can be lost
+        done: dict[str, Rollout] = {}
+        pending = ids
+        version: Optional[int] = None
+        first = True
+        try:
+            while True:
+                woken = waiter.event.is_set()
+                waiter.event.clear()
+                found, version = await self._worker.run(
+                    self._wait_probe, pending, None if (first or woken) else version, first
+                )
+                first = False
+                if found:
+                    done.update(found)
+                    pending = [rid for rid in pending if rid not in done]
+                if not pending or self._closed:
+                    break
+                pause = self._poll_interval
+                if deadline is not None:
+                    remaining = deadline - loop.time()
+                    if remaining <= 0:
+                        break
+                    pause = min(pause, remaining)
+                try:
+                    await asyncio.wait_for(waiter.event.wait(), pause)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            self._unregister(ids, waiter)
+        return [done[rid] for rid in ids if rid in done]
+
+    # -- deadlines, dead sessions, watchdog --------------------------------------
+
+    def _expire_due(self) -> list[Attempt]:
+        if not txn.has_due_deadline(self._conn, self._clock()):
+            return []
+        return self._write_sync(txn.expire_due_attempts)
+
+    def _reap_dead_sessions(self) -> list[Attempt]:
+        self._last_session_check = time.monotonic()
+        dead = sessions.find_dead(self._conn, exclude=self.session_id)
+        changed: list[Attempt] = []
+        for session_id in dead:
+            logger.warning("store session %s is dead; its active attempts become unresponsive", session_id)
+
+            def reap(tx: Tx, sid: str = session_id) -> list[Attempt]:
+                attempts = txn.orphan_session_attempts(tx, sid)
+                sessions.mark_closed(tx.conn, sid, "dead")
+                return attempts
+
+            changed += self._write_sync(reap)
+        return changed
+
+    def _check_timeouts_sync(self) -> list[Attempt]:
+        changed: list[Attempt] = []
+        if time.monotonic() - self._last_session_check >= self._session_check_interval:
+            changed += self._reap_dead_sessions()
+        changed += self._expire_due()
+        return changed
+
+    async def check_timeouts(self) -> list[Attempt]:
+        """Enforce deadlines (R6) and, every `session_check_interval`, dead owners (R7).
+        Returns the attempts whose status changed."""
+        self._check_open()
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only")
+        return await self._worker.run(self._check_timeouts_sync)
+
+    async def reap_dead_sessions(self) -> list[Attempt]:
+        """Apply R7 now to every session whose process has died."""
+        self._check_open()
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only")
+        return await self._worker.run(self._reap_dead_sessions)
+
+    async def start_watchdog(self, interval: Optional[float] = None) -> None:
+        """Run `check_timeouts()` every `interval` seconds (default: watchdog_interval)
+        in a background task of the running loop, until `stop_watchdog()`/`close()`."""
+        if self.readonly:
+            raise ReadOnlyStoreError("a read-only store has no watchdog")
+        self._check_open()
+        if self._watchdog_task is not None and not self._watchdog_task.done():
+            return
+        period = interval if interval is not None else (self._watchdog_interval or 1.0)
+        self._watchdog_task = asyncio.get_running_loop().create_task(self._watchdog(period), name="agl-store-watchdog")
+
+    async def stop_watchdog(self) -> None:
+        task, self._watchdog_task = self._watchdog_task, None
+        if task is None or task.done():
+            return
+        task.cancel()
+        if task.get_loop() is asyncio.get_running_loop():
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+
+    async def _watchdog(self, interval: float) -> None:
+        while True:
+            try:
+                changed = await self.check_timeouts()
+                if changed:
+                    logger.info("watchdog: %d attempt(s) timed out or became unresponsive", len(changed))
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # keep watching: one failed pass (e.g. a busy lock) is not fatal
+                logger.exception("store watchdog pass failed")
+            await asyncio.sleep(interval)

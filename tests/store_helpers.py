@@ -1,0 +1,107 @@
+"""Helpers shared by the store tests: a controllable clock and an invariant checker.
+
+The checker reads the file with plain `sqlite3` (not through the store) and
+re-derives the status rules independently of `agl/store/rules.py`, so a bug
+in the rules module cannot hide itself.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import sys
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+WORKER = Path(__file__).resolve().parent / "store_worker.py"
+
+TERMINAL = {"succeeded", "failed", "cancelled"}
+QUEUED = {"queuing", "requeuing"}
+ACTIVE = {"preparing", "running"}
+
+
+class FakeClock:
+    """A clock tests move by hand: `SqliteStore(path, clock=FakeClock())`."""
+
+    def __init__(self, start: float = 1_000_000.0):
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> float:
+        self.now += seconds
+        return self.now
+
+
+def derive_rollout_status(attempt_status: str, sequence_id: int, config: dict) -> str:
+    """The rollout status the latest attempt implies (independent copy of rule R4)."""
+    if attempt_status in ("preparing", "running", "succeeded"):
+        return attempt_status
+    if attempt_status in config.get("retry_condition", []) and sequence_id < config.get("max_attempts", 1):
+        return "requeuing"
+    return "failed"
+
+
+def check_invariants(path: Path | str, *, explicit_updates: bool = False) -> list[str]:
+    """Return the violated invariants of the store file (empty list: all good).
+
+    With explicit_updates=False (no update_rollout(status=...) was ever made),
+    every non-terminal rollout's status must equal the one its latest attempt
+    implies, and every failed/succeeded rollout must be backed by its latest attempt.
+    """
+    problems: list[str] = []
+    conn = sqlite3.connect(f"file:{Path(path).resolve()}?mode=ro", uri=True)
+    try:
+        ok = conn.execute("PRAGMA integrity_check").fetchone()[0]
+        if ok != "ok":
+            problems.append(f"integrity_check: {ok}")
+        fk = conn.execute("PRAGMA foreign_key_check").fetchall()
+        if fk:
+            problems.append(f"foreign_key_check: {fk[:3]}")
+        rollouts = conn.execute(
+            "SELECT rollout_id, status, config, end_time, num_attempts, queue_seq, last_span_seq FROM rollouts"
+        ).fetchall()
+        attempts: dict[str, list[tuple]] = {}
+        for row in conn.execute(
+            "SELECT rollout_id, sequence_id, status, end_time, session_id FROM attempts ORDER BY rollout_id, sequence_id"
+        ):
+            attempts.setdefault(row[0], []).append(row)
+        closed_sessions = {r[0] for r in conn.execute("SELECT session_id FROM sessions WHERE closed_time IS NOT NULL")}
+        max_span_seq = dict(conn.execute("SELECT rollout_id, max(sequence_id) FROM spans GROUP BY rollout_id"))
+        queue_seqs = [r[5] for r in rollouts if r[5] is not None]
+        if len(queue_seqs) != len(set(queue_seqs)):
+            problems.append("duplicate queue positions")
+        for rid, status, config_json, end_time, num_attempts, queue_seq, last_span_seq in rollouts:
+            config = json.loads(config_json)
+            atts = attempts.get(rid, [])
+            if [a[1] for a in atts] != list(range(1, len(atts) + 1)) or len(atts) != num_attempts:
+                problems.append(f"{rid}: attempts {[a[1] for a in atts]} vs num_attempts {num_attempts}")
+            if (queue_seq is not None) != (status in QUEUED):
+                problems.append(f"{rid}: status {status} with queue_seq {queue_seq}")
+            if (end_time is not None) != (status in TERMINAL):
+                problems.append(f"{rid}: status {status} with end_time {end_time}")
+            if max_span_seq.get(rid, 0) > last_span_seq:
+                problems.append(f"{rid}: span sequence {max_span_seq[rid]} > issued {last_span_seq}")
+            for a in atts:
+                if a[2] in ACTIVE and a[4] in closed_sessions:
+                    problems.append(f"{rid}: attempt {a[1]} is {a[2]} but its session ended")
+                if (a[3] is None) != (a[2] in ACTIVE):
+                    problems.append(f"{rid}: attempt {a[1]} {a[2]} with end_time {a[3]}")
+            if explicit_updates:
+                continue
+            latest: Optional[tuple] = atts[-1] if atts else None
+            if latest is None:
+                if status != "queuing":
+                    problems.append(f"{rid}: {status} without attempts")
+                continue
+            implied = derive_rollout_status(latest[2], latest[1], config)
+            if status not in TERMINAL and status != implied:
+                problems.append(f"{rid}: status {status}, latest attempt {latest[2]} implies {implied}")
+            if status in ("succeeded", "failed") and status != implied:
+                problems.append(f"{rid}: {status} but latest attempt {latest[2]} implies {implied}")
+    finally:
+        conn.close()
+    return problems

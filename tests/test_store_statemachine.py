@@ -1,0 +1,247 @@
+"""Property test: SqliteStore against a small reference model of the status rules.
+
+The model below is written from the rules in agl/store/rules.py without using
+that module: plain dicts and lists, a FIFO list for the queue. Hypothesis drives
+both with random sequences of enqueue / start / dequeue / span / finish /
+explicit updates / clock advances + timeout checks, and after every step the
+whole store must match the model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from agl.store import SqliteStore
+from agl.types import RolloutConfig, Span
+from store_helpers import FakeClock, check_invariants, derive_rollout_status
+
+TERMINAL = {"succeeded", "failed", "cancelled"}
+QUEUED = {"queuing", "requeuing"}
+ACTIVE = {"preparing", "running"}
+
+CONFIGS = [
+    RolloutConfig(),
+    RolloutConfig(max_attempts=3, retry_condition=["failed", "timeout", "unresponsive"],
+                  timeout_seconds=10, unresponsive_seconds=3),
+    RolloutConfig(max_attempts=2, retry_condition=["unresponsive"], unresponsive_seconds=4),
+    RolloutConfig(timeout_seconds=5),
+]
+
+
+@dataclass
+class MAttempt:
+    attempt_id: str
+    seq: int
+    start: float
+    created: int  # global creation order
+    status: str = "preparing"
+    heartbeat: Optional[float] = None
+
+
+@dataclass
+class MRollout:
+    rollout_id: str
+    config: RolloutConfig
+    status: str
+    attempts: list[MAttempt] = field(default_factory=list)
+
+
+class Model:
+    """The reference: the status rules, restated as simply as possible."""
+
+    def __init__(self) -> None:
+        self.rollouts: dict[str, MRollout] = {}
+        self.queue: list[str] = []
+        self.created = 0
+
+    def attempt(self, attempt_id: str, seq: int, now: float) -> MAttempt:
+        self.created += 1
+        return MAttempt(attempt_id, seq, now, self.created)
+
+    def set_status(self, r: MRollout, new: str) -> None:
+        if new == r.status:
+            return
+        if new in QUEUED and r.status not in QUEUED:
+            self.queue.append(r.rollout_id)
+        if new not in QUEUED and r.status in QUEUED:
+            self.queue.remove(r.rollout_id)
+        r.status = new
+
+    def propagate(self, r: MRollout, a: MAttempt) -> None:
+        if a is r.attempts[-1] and r.status not in TERMINAL:
+            self.set_status(r, derive_rollout_status(a.status, a.seq, r.config.model_dump()))
+
+    def new_attempt(self, r: MRollout, attempt_id: str, now: float) -> None:
+        r.attempts.append(self.attempt(attempt_id, len(r.attempts) + 1, now))
+        self.set_status(r, "preparing")
+
+    def span(self, r: MRollout, a: MAttempt, now: float) -> None:
+        a.heartbeat = now
+        if a is r.attempts[-1]:
+            if a.status in ("preparing", "unresponsive"):
+                a.status = "running"
+            if a.status == "running":
+                self.propagate(r, a)
+
+    def expire(self, now: float) -> None:
+        """Expire due attempts in deadline order (ties: creation order)."""
+        due = []
+        for r in self.rollouts.values():
+            cfg = r.config
+            for a in r.attempts:
+                if a.status not in ACTIVE:
+                    continue
+                timeout_at = None if cfg.timeout_seconds is None else a.start + cfg.timeout_seconds
+                silent_at = (None if cfg.unresponsive_seconds is None
+                             else (a.heartbeat if a.heartbeat is not None else a.start) + cfg.unresponsive_seconds)
+                limits = [t for t in (timeout_at, silent_at) if t is not None]
+                if limits and min(limits) <= now:
+                    due.append((min(limits), a.created, r, a, timeout_at))
+        for _, _, r, a, timeout_at in sorted(due, key=lambda d: d[:2]):
+            a.status = "timeout" if timeout_at is not None and timeout_at <= now else "unresponsive"
+            self.propagate(r, a)
+
+
+class StoreMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.dir = Path(tempfile.mkdtemp(prefix="agl-store-sm-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+        self.clock = FakeClock()
+        self.loop = asyncio.Runner()
+        self.store = SqliteStore(self.dir / "store.sqlite", clock=self.clock, watchdog_interval=None)
+        self.model = Model()
+
+    def run(self, coro):
+        return self.loop.run(coro)
+
+    def teardown(self) -> None:
+        try:
+            self.run(self.store.close())
+        finally:
+            self.loop.close()
+            shutil.rmtree(self.dir, ignore_errors=True)
+
+    def pick(self, index: int) -> MRollout:
+        ids = list(self.model.rollouts)
+        return self.model.rollouts[ids[index % len(ids)]]
+
+    def has_attempts(self) -> bool:
+        return any(r.attempts for r in self.model.rollouts.values())
+
+    def pick_attempted(self, index: int) -> MRollout:
+        attempted = [r for r in self.model.rollouts.values() if r.attempts]
+        return attempted[index % len(attempted)]
+
+    # -- rules ------------------------------------------------------------------
+
+    @rule(config=st.integers(0, len(CONFIGS) - 1))
+    def enqueue(self, config: int) -> None:
+        r = self.run(self.store.enqueue_rollout("x", config=CONFIGS[config]))
+        assert r.status == "queuing"
+        self.model.rollouts[r.rollout_id] = MRollout(r.rollout_id, CONFIGS[config], "preparing")
+        self.model.rollouts[r.rollout_id].status = "queuing"
+        self.model.queue.append(r.rollout_id)
+
+    @rule(config=st.integers(0, len(CONFIGS) - 1))
+    def start_rollout(self, config: int) -> None:
+        r = self.run(self.store.start_rollout("x", config=CONFIGS[config]))
+        m = MRollout(r.rollout_id, CONFIGS[config], "preparing")
+        m.attempts.append(self.model.attempt(r.attempt.attempt_id, 1, self.clock.now))
+        self.model.rollouts[r.rollout_id] = m
+
+    @rule()
+    def dequeue(self) -> None:
+        self.model.expire(self.clock.now)  # dequeue applies due deadlines first
+        got = self.run(self.store.dequeue_rollout(worker_id="w"))
+        if not self.model.queue:
+            assert got is None
+            return
+        expected = self.model.rollouts[self.model.queue[0]]
+        assert got is not None and got.rollout_id == expected.rollout_id
+        assert got.attempt.sequence_id == len(expected.attempts) + 1
+        self.model.new_attempt(expected, got.attempt.attempt_id, self.clock.now)
+
+    @precondition(lambda self: self.model.rollouts)
+    @rule(index=st.integers(0, 1000))
+    def start_attempt(self, index: int) -> None:
+        r = self.pick(index)
+        got = self.run(self.store.start_attempt(r.rollout_id))
+        self.model.new_attempt(r, got.attempt.attempt_id, self.clock.now)
+
+    @precondition(lambda self: self.has_attempts())
+    @rule(index=st.integers(0, 1000), older=st.booleans())
+    def add_span(self, index: int, older: bool) -> None:
+        r = self.pick_attempted(index)
+        a = r.attempts[0] if older else r.attempts[-1]
+        self.run(self.store.add_span(Span(rollout_id=r.rollout_id, attempt_id=a.attempt_id, name="llm.chat",
+                                          prompt_token_ids=[1, 2], response_logprobs=[-0.5])))
+        self.model.span(r, a, self.clock.now)
+
+    @precondition(lambda self: self.has_attempts())
+    @rule(index=st.integers(0, 1000), older=st.booleans(),
+          status=st.sampled_from(["succeeded", "failed", "timeout", "unresponsive", "running"]))
+    def update_attempt(self, index: int, older: bool, status: str) -> None:
+        r = self.pick_attempted(index)
+        a = r.attempts[0] if older else r.attempts[-1]
+        target = a.attempt_id if older else "latest"
+        got = self.run(self.store.update_attempt(r.rollout_id, target, status=status))
+        assert got.attempt_id == a.attempt_id and got.status == status
+        a.status = status
+        self.model.propagate(r, a)
+
+    @precondition(lambda self: self.model.rollouts)
+    @rule(index=st.integers(0, 1000), status=st.sampled_from(["cancelled", "requeuing", "queuing", "failed"]))
+    def update_rollout_status(self, index: int, status: str) -> None:
+        r = self.pick(index)
+        self.run(self.store.update_rollout(r.rollout_id, status=status))
+        self.model.set_status(r, status)
+
+    @rule(seconds=st.sampled_from([0.0, 0.5, 1.0, 3.0, 4.0, 6.0, 11.0]))
+    def advance_and_check(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+        changed = self.run(self.store.check_timeouts())
+        before = {a.attempt_id: a.status for r in self.model.rollouts.values() for a in r.attempts}
+        self.model.expire(self.clock.now)
+        after = {a.attempt_id: a.status for r in self.model.rollouts.values() for a in r.attempts}
+        expected = {aid: s for aid, s in after.items() if before[aid] != s}
+        assert {a.attempt_id: a.status for a in changed} == expected
+
+    # -- invariants -------------------------------------------------------------
+
+    @invariant()
+    def store_matches_model(self) -> None:
+        rollouts = self.run(self.store.query_rollouts())
+        assert [r.rollout_id for r in rollouts] == list(self.model.rollouts)
+        for r in rollouts:
+            m = self.model.rollouts[r.rollout_id]
+            assert r.status == m.status, (r.rollout_id, r.status, m.status)
+            assert (r.end_time is not None) == (m.status in TERMINAL)
+            attempts = self.run(self.store.query_attempts(r.rollout_id))
+            assert [(a.attempt_id, a.status) for a in attempts] == [(a.attempt_id, a.status) for a in m.attempts]
+        queued = self.run(self.store.query_rollouts(status=["queuing", "requeuing"]))
+        assert sorted(r.rollout_id for r in queued) == sorted(self.model.queue)
+
+    @invariant()
+    def file_is_consistent(self) -> None:
+        # Structural checks only: explicit updates and late reports on terminal
+        # rollouts (R5, R8) are legal here; the model comparison covers statuses.
+        if len(self.model.rollouts) % 5 == 0:  # the full check is slower; sample it
+            assert check_invariants(self.store.path, explicit_updates=True) == []
+
+
+StoreMachine.TestCase.settings = settings(
+    max_examples=120,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+TestStoreStateMachine = StoreMachine.TestCase
