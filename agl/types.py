@@ -17,7 +17,7 @@ import secrets
 from enum import StrEnum
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 __all__ = [
     "UNSET",
@@ -191,8 +191,6 @@ class Span(BaseModel):
     Token arrays are stored compactly (int32 / float32 little-endian BLOBs),
     so ids must fit in int32 and logprobs are kept at float32 precision.
     """
-
-    model_config = ConfigDict(ser_json_inf_nan="constants")
 
     rollout_id: str
     attempt_id: str

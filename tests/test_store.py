@@ -335,6 +335,29 @@ async def test_terminal_rollout_is_final(store: SqliteStore):
     assert (await store.get_rollout_by_id(r.rollout_id)).status == "cancelled"  # but not propagated
 
 
+@asyncio_test
+async def test_non_finite_floats_do_not_break_json(store: SqliteStore, path: Path):
+    await store.enqueue_rollout("x")
+    a = await store.dequeue_rollout()
+    await store.add_span(reward_span(a, float("nan")))
+    [span] = await store.query_spans(a.rollout_id)
+    assert span.attributes == {"reward": None}
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT reward FROM rollout_rewards").fetchall() == [(None,)]
+    conn.close()
+
+
+@asyncio_test
+async def test_waiter_on_closed_store_gets_clear_error(path: Path):
+    store = SqliteStore(path, watchdog_interval=None)
+    r = await store.enqueue_rollout("x")
+    waiter = asyncio.create_task(store.wait_for_rollouts([r.rollout_id]))
+    await asyncio.sleep(0.05)
+    await store.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        await waiter
+
+
 # -- resources --------------------------------------------------------------------
 
 
@@ -643,6 +666,33 @@ async def test_views_answer_questions_in_plain_sql(store: SqliteStore, path: Pat
     assert conn.execute("SELECT step, blob_bytes FROM checkpoint_sizes").fetchall() == [(0, 100)]
     assert conn.execute("SELECT count(*) FROM latest_attempts WHERE attempt_status = 'failed'").fetchone() == (1,)
     conn.close()
+
+
+@asyncio_test
+async def test_docs_queries_run(store: SqliteStore, path: Path):
+    """Every SQL example in docs/store.md runs on a real store and answers something."""
+    retry = RolloutConfig(max_attempts=2, retry_condition=["failed"])
+    for step in range(2):
+        await store.enqueue_rollouts(list(range(3)), config=retry, metadata={"step": step})
+        while (a := await store.dequeue_rollout(worker_id="w")) is not None:
+            await store.add_span(llm_span(a, n=8))
+            failed = a.attempt.sequence_id == 1 and a.input == 0
+            if not failed:
+                await store.add_span(reward_span(a, float(a.input)))
+            await store.update_attempt(a.rollout_id, "latest", status="failed" if failed else "succeeded")
+        await store.log_metrics(step, {"reward": {"mean": 0.5 + step}})
+        await store.save_checkpoint(step, step, {"cursor": step}, {"adapter": b"x"})
+    await store.enqueue_rollout("pending")
+    await store.start_rollout("in flight")
+    docs = (REPO / "docs" / "store.md").read_text()
+    blocks = [b.split("```", 1)[0] for b in docs.split("```sql\n")[1:]]
+    assert len(blocks) >= 8
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+    try:
+        for sql in blocks:
+            assert conn.execute(sql).fetchall(), sql
+    finally:
+        conn.close()
 
 
 # -- concurrency ---------------------------------------------------------------------------

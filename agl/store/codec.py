@@ -5,6 +5,8 @@ Kept apart from the store logic so that the column lists (which must match
 
 * JSON columns are written with `json.dumps`, falling back to pydantic's
   `to_jsonable_python` so models, dates, enums and numpy scalars work.
+  Non-finite floats (NaN, inf) are written as null: SQLite's JSON functions
+  reject them, and one NaN reward would otherwise break every view.
 * Token ids are packed as little-endian int32 and logprobs as little-endian
   float32 with the `array` module: 4 bytes a token, one BLOB per array, and
   `length(blob)/4` is the token count in plain SQL.
@@ -13,6 +15,7 @@ Kept apart from the store logic so that the column lists (which must match
 from __future__ import annotations
 
 import json
+import math
 import sys
 from array import array
 from typing import Any, Optional, Sequence
@@ -27,7 +30,20 @@ if array("i").itemsize != 4 or array("f").itemsize != 4:  # pragma: no cover - e
 
 
 def dumps(value: Any) -> str:
-    return json.dumps(value, default=to_jsonable_python, separators=(",", ":"))
+    try:
+        return json.dumps(value, default=to_jsonable_python, separators=(",", ":"), allow_nan=False)
+    except ValueError:  # a NaN/inf somewhere (rare): redo with them as null
+        return json.dumps(_finite(to_jsonable_python(value)), separators=(",", ":"), allow_nan=False)
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def dumps_or_none(value: Any) -> Optional[str]:
@@ -115,6 +131,11 @@ class RolloutRow:
     @property
     def last_span_seq(self) -> int:
         return self.raw[10]
+
+    @classmethod
+    def partial(cls, rollout_id: str, status: str, config_json: str, num_attempts: int) -> "RolloutRow":
+        """A row with only the fields status propagation reads (saves a re-select)."""
+        return cls((rollout_id, None, None, None, status, config_json, None, None, None, num_attempts, None, None))
 
     def to_model(self, **override: Any) -> Rollout:
         return Rollout.model_validate(self._fields(override))

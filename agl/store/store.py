@@ -16,10 +16,8 @@ How it is built:
   of an operation.
 * Every hot-path statement is an index probe (queue head, deadline index,
   primary keys), so operations cost O(log n) in the size of the store.
-* `wait_for_rollouts` sleeps on events set when a rollout becomes terminal in
-  this process; for commits made by other processes it polls `PRAGMA
-  data_version` (a counter, not a table read) every `poll_interval` and only
-  then re-reads the awaited rows by primary key.
+* Waiting, deadlines, dead processes and the watchdog live in watch.py;
+  resources in resources.py; checkpoints, metrics and run info in runstate.py.
 
 Unknown ids raise `ValueError` in every method that acts on or lists under an
 id. The two plain lookups, `get_rollout_by_id` and `get_resources_by_id`,
@@ -29,13 +27,9 @@ and `query_rollouts(rollout_ids=...)` is a filter: unknown ids just match nothin
 
 from __future__ import annotations
 
-import asyncio
-import json
-import logging
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterable, Literal, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, Literal, Optional, Sequence, TypeVar, Union
 
 from agl.store import db, rules, sessions, txn
 from agl.store.codec import (
@@ -50,14 +44,15 @@ from agl.store.codec import (
     span_from_row,
     span_params,
 )
+from agl.store.resources import ResourcesMixin
 from agl.store.runstate import RunStateMixin
+from agl.store.watch import ReadOnlyStoreError, WatchMixin
 from agl.store.txn import Tx
 from agl.types import (
     UNSET,
     Attempt,
     AttemptedRollout,
     AttemptStatus,
-    ResourcesUpdate,
     Rollout,
     RolloutConfig,
     RolloutMode,
@@ -66,34 +61,13 @@ from agl.types import (
     Unset,
 )
 
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 StatusFilter = Union[RolloutStatus, str, Sequence[Union[RolloutStatus, str]], None]
 ConfigArg = Union[RolloutConfig, dict[str, Any], None]
 
 
-class ReadOnlyStoreError(RuntimeError):
-    """A write was attempted on a store opened with `readonly=True`."""
-
-
-class _Waiter:
-    """One `wait_for_rollouts` call: an event on its own loop, set from any thread."""
-
-    __slots__ = ("loop", "event")
-
-    def __init__(self) -> None:
-        self.loop = asyncio.get_running_loop()
-        self.event = asyncio.Event()
-
-    def wake(self) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.event.set)
-        except RuntimeError:  # its loop is closed: nobody is waiting any more
-            pass
-
-
-class SqliteStore(RunStateMixin):
+class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
     """The run's store. See the module docstring; status rules in `agl/store/rules.py`.
 
     Args:
@@ -139,11 +113,8 @@ class SqliteStore(RunStateMixin):
         self._watchdog_interval = watchdog_interval
         self._poll_interval = poll_interval
         self._session_check_interval = session_check_interval
-        self._last_session_check = time.monotonic()
-        self._watchdog_task: Optional[asyncio.Task[None]] = None
-        self._waiters: dict[str, set[_Waiter]] = {}
-        self._waiters_lock = threading.Lock()
         self._closed = False
+        self._init_watch()
         self.session = None if readonly else sessions.current_session()
         self._conn: Any = None
         self._worker = db.Worker("agl-store")
@@ -253,34 +224,6 @@ class SqliteStore(RunStateMixin):
         """Run `fn(conn, *args)` in one read transaction (a consistent snapshot)."""
         self._check_open()
         return await self._worker.run(self._read_sync, fn, *args)
-
-    # -- waiters -----------------------------------------------------------------
-
-    def _notify(self, rollout_ids: Iterable[str]) -> None:
-        with self._waiters_lock:
-            targets = {w for rid in rollout_ids for w in self._waiters.get(rid, ())}
-        for waiter in targets:
-            waiter.wake()
-
-    def _wake_all(self) -> None:
-        with self._waiters_lock:
-            targets = {w for ws in self._waiters.values() for w in ws}
-        for waiter in targets:
-            waiter.wake()
-
-    def _register(self, rollout_ids: Iterable[str], waiter: _Waiter) -> None:
-        with self._waiters_lock:
-            for rid in rollout_ids:
-                self._waiters.setdefault(rid, set()).add(waiter)
-
-    def _unregister(self, rollout_ids: Iterable[str], waiter: _Waiter) -> None:
-        with self._waiters_lock:
-            for rid in rollout_ids:
-                ws = self._waiters.get(rid)
-                if ws is not None:
-                    ws.discard(waiter)
-                    if not ws:
-                        del self._waiters[rid]
 
     # -- rollouts ----------------------------------------------------------------
 
@@ -599,8 +542,7 @@ class SqliteStore(RunStateMixin):
                 "UPDATE rollouts SET last_span_seq = ? WHERE rollout_id = ?", (sequence_id, span.rollout_id)
             )
         if is_latest and new_status == AttemptStatus.RUNNING and rollout_status != RolloutStatus.RUNNING:
-            rollout = RolloutRow((span.rollout_id, None, None, None, rollout_status, config_json,
-                                  None, None, None, num_attempts, None, None))
+            rollout = RolloutRow.partial(span.rollout_id, rollout_status, config_json, num_attempts)
             txn.propagate(tx, rollout, attempt_seq, new_status)  # R4
         if span.sequence_id is None:
             return span.model_copy(update={"sequence_id": sequence_id})
@@ -648,212 +590,3 @@ class SqliteStore(RunStateMixin):
 
         return await self._read(read)
 
-    # -- resources ---------------------------------------------------------------
-
-    @staticmethod
-    def _resources_from_row(raw: Any) -> ResourcesUpdate:
-        return ResourcesUpdate(resources_id=raw[0], resources=json.loads(raw[1]), create_time=raw[2], update_time=raw[3])
-
-    def _add_resources_tx(self, tx: Tx, resources: dict[str, Any], resources_id: Optional[str]) -> ResourcesUpdate:
-        resources_id = resources_id or txn.new_resources_id()
-        if tx.conn.execute("SELECT 1 FROM resources WHERE resources_id = ?", (resources_id,)).fetchone():
-            raise ValueError(f"Resources {resources_id!r} already exist")
-        tx.conn.execute(
-            "INSERT INTO resources (resources_id, resources, version, create_time, update_time) "
-            "VALUES (?, ?, (SELECT coalesce(max(version), 0) + 1 FROM resources), ?, ?)",
-            (resources_id, dumps(resources), tx.now, tx.now),
-        )
-        return ResourcesUpdate(resources_id=resources_id, resources=resources, create_time=tx.now, update_time=tx.now)
-
-    async def add_resources(self, resources: dict[str, Any], resources_id: Optional[str] = None) -> ResourcesUpdate:
-        """Store a new resources version under a new id (or the given unused one); it
-        becomes the latest, which rollouts created without resources_id get (R1)."""
-        return await self._write(self._add_resources_tx, dict(resources), resources_id)
-
-    def _update_resources_tx(self, tx: Tx, resources_id: str, resources: dict[str, Any]) -> ResourcesUpdate:
-        raw = tx.conn.execute(
-            "UPDATE resources SET resources = ?, update_time = ?, "
-            "version = (SELECT max(version) + 1 FROM resources) WHERE resources_id = ? "
-            "RETURNING resources_id, resources, create_time, update_time",
-            (dumps(resources), tx.now, resources_id),
-        ).fetchone()
-        if raw is None:
-            raise ValueError(f"Resources {resources_id!r} not found")
-        return self._resources_from_row(raw)
-
-    async def update_resources(self, resources_id: str, resources: dict[str, Any]) -> ResourcesUpdate:
-        """Replace the content of existing resources; like agent-lightning, they also
-        become the latest."""
-        return await self._write(self._update_resources_tx, resources_id, dict(resources))
-
-    async def get_resources_by_id(self, resources_id: str) -> Optional[ResourcesUpdate]:
-        """The resources, or None if there is no such id."""
-
-        def read(conn: Any) -> Optional[ResourcesUpdate]:
-            raw = conn.execute(
-                "SELECT resources_id, resources, create_time, update_time FROM resources WHERE resources_id = ?",
-                (resources_id,),
-            ).fetchone()
-            return None if raw is None else self._resources_from_row(raw)
-
-        return await self._read(read)
-
-    async def get_latest_resources(self) -> Optional[ResourcesUpdate]:
-        def read(conn: Any) -> Optional[ResourcesUpdate]:
-            raw = conn.execute(
-                "SELECT resources_id, resources, create_time, update_time FROM resources "
-                "ORDER BY version DESC LIMIT 1"
-            ).fetchone()
-            return None if raw is None else self._resources_from_row(raw)
-
-        return await self._read(read)
-
-    # -- waiting -----------------------------------------------------------------
-
-    def _wait_probe(
-        self, rollout_ids: list[str], last_version: Optional[int], check_unknown: bool
-    ) -> tuple[Optional[dict[str, Rollout]], int]:
-        """Apply due deadlines, then return the terminal ones among `rollout_ids`, or
-        None if no other process committed since `last_version` (nothing to re-read)."""
-        if not self.readonly:
-            self._expire_due()
-        conn = self._conn
-        with db.read_transaction(conn):
-            version = conn.execute("PRAGMA data_version").fetchone()[0]
-            if version == last_version:
-                return None, version
-            rows = [
-                RolloutRow(raw)
-                for raw in conn.execute(
-                    f"SELECT {ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id IN (SELECT value FROM json_each(?))",
-                    (dumps(rollout_ids),),
-                )
-            ]
-        if check_unknown and len(rows) < len(rollout_ids):
-            known = {r.rollout_id for r in rows}
-            unknown = [rid for rid in rollout_ids if rid not in known]
-            raise ValueError(f"Rollouts not found: {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
-        return {r.rollout_id: r.to_model() for r in rows if rules.is_terminal(r.status)}, version
-
-    async def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None) -> list[Rollout]:
-        """Wait until all the rollouts are terminal or `timeout` seconds pass; return
-        those that are terminal by then, in the order asked.
-
-        Wakes as soon as this process finishes one; commits of other processes are
-        noticed within `poll_interval`. `timeout=0` just checks."""
-        self._check_open()
-        ids = list(dict.fromkeys(rollout_ids))
-        if not ids:
-            return []
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        waiter = _Waiter()
-        self._register(ids, waiter)  # before the first read: no wake-up can be lost
-        done: dict[str, Rollout] = {}
-        pending = ids
-        version: Optional[int] = None
-        first = True
-        try:
-            while True:
-                woken = waiter.event.is_set()
-                waiter.event.clear()
-                found, version = await self._worker.run(
-                    self._wait_probe, pending, None if (first or woken) else version, first
-                )
-                first = False
-                if found:
-                    done.update(found)
-                    pending = [rid for rid in pending if rid not in done]
-                if not pending or self._closed:
-                    break
-                pause = self._poll_interval
-                if deadline is not None:
-                    remaining = deadline - loop.time()
-                    if remaining <= 0:
-                        break
-                    pause = min(pause, remaining)
-                try:
-                    await asyncio.wait_for(waiter.event.wait(), pause)
-                except asyncio.TimeoutError:
-                    pass
-        finally:
-            self._unregister(ids, waiter)
-        return [done[rid] for rid in ids if rid in done]
-
-    # -- deadlines, dead sessions, watchdog --------------------------------------
-
-    def _expire_due(self) -> list[Attempt]:
-        if not txn.has_due_deadline(self._conn, self._clock()):
-            return []
-        return self._write_sync(txn.expire_due_attempts)
-
-    def _reap_dead_sessions(self) -> list[Attempt]:
-        self._last_session_check = time.monotonic()
-        dead = sessions.find_dead(self._conn, exclude=self.session_id)
-        changed: list[Attempt] = []
-        for session_id in dead:
-            logger.warning("store session %s is dead; its active attempts become unresponsive", session_id)
-
-            def reap(tx: Tx, sid: str = session_id) -> list[Attempt]:
-                attempts = txn.orphan_session_attempts(tx, sid)
-                sessions.mark_closed(tx.conn, sid, "dead")
-                return attempts
-
-            changed += self._write_sync(reap)
-        return changed
-
-    def _check_timeouts_sync(self) -> list[Attempt]:
-        changed: list[Attempt] = []
-        if time.monotonic() - self._last_session_check >= self._session_check_interval:
-            changed += self._reap_dead_sessions()
-        changed += self._expire_due()
-        return changed
-
-    async def check_timeouts(self) -> list[Attempt]:
-        """Enforce deadlines (R6) and, every `session_check_interval`, dead owners (R7).
-        Returns the attempts whose status changed."""
-        self._check_open()
-        if self.readonly:
-            raise ReadOnlyStoreError(f"store {self.path} was opened read-only")
-        return await self._worker.run(self._check_timeouts_sync)
-
-    async def reap_dead_sessions(self) -> list[Attempt]:
-        """Apply R7 now to every session whose process has died."""
-        self._check_open()
-        if self.readonly:
-            raise ReadOnlyStoreError(f"store {self.path} was opened read-only")
-        return await self._worker.run(self._reap_dead_sessions)
-
-    async def start_watchdog(self, interval: Optional[float] = None) -> None:
-        """Run `check_timeouts()` every `interval` seconds (default: watchdog_interval)
-        in a background task of the running loop, until `stop_watchdog()`/`close()`."""
-        if self.readonly:
-            raise ReadOnlyStoreError("a read-only store has no watchdog")
-        self._check_open()
-        if self._watchdog_task is not None and not self._watchdog_task.done():
-            return
-        period = interval if interval is not None else (self._watchdog_interval or 1.0)
-        self._watchdog_task = asyncio.get_running_loop().create_task(self._watchdog(period), name="agl-store-watchdog")
-
-    async def stop_watchdog(self) -> None:
-        task, self._watchdog_task = self._watchdog_task, None
-        if task is None or task.done():
-            return
-        task.cancel()
-        if task.get_loop() is asyncio.get_running_loop():
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
-
-    async def _watchdog(self, interval: float) -> None:
-        while True:
-            try:
-                changed = await self.check_timeouts()
-                if changed:
-                    logger.info("watchdog: %d attempt(s) timed out or became unresponsive", len(changed))
-            except asyncio.CancelledError:
-                raise
-            except Exception:  # keep watching: one failed pass (e.g. a busy lock) is not fatal
-                logger.exception("store watchdog pass failed")
-            await asyncio.sleep(interval)
