@@ -555,6 +555,22 @@ async def test_dead_session_is_reaped_on_open(path: Path):
 
 
 @asyncio_test
+async def test_async_open_and_bad_files(path: Path, tmp_path: Path):
+    store = await SqliteStore.open(path, watchdog_interval=None)
+    await store.enqueue_rollout("x")
+    await store.close()
+    reader = await SqliteStore.open(path, readonly=True)
+    assert len(await reader.query_rollouts()) == 1
+    await reader.close()
+    junk = tmp_path / "junk.sqlite"
+    junk.write_bytes(b"not a database" * 100)
+    with pytest.raises(sqlite3.DatabaseError):
+        await SqliteStore.open(junk)
+    with pytest.raises(sqlite3.DatabaseError):
+        SqliteStore(junk)
+
+
+@asyncio_test
 async def test_readonly_next_to_writer(store: SqliteStore, path: Path):
     r = await store.enqueue_rollout("x", metadata={"step": 0})
     reader = SqliteStore.open_readonly(path)
@@ -702,7 +718,7 @@ async def test_docs_queries_run(store: SqliteStore, path: Path):
 async def test_concurrent_dequeues_tasks_and_second_process(path: Path):
     store = SqliteStore(path, watchdog_interval=None)
     try:
-        n = 600
+        n = 1500
         rollouts = await store.enqueue_rollouts(list(range(n)))
         proc = subprocess.Popen(
             [PYTHON, str(WORKER), "dequeue", str(path)], cwd=REPO,

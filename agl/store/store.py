@@ -27,6 +27,7 @@ and `query_rollouts(rollout_ids=...)` is a filter: unknown ids just match nothin
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, Literal, Optional, Sequence, TypeVar, Union
@@ -99,6 +100,7 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
         watchdog_interval: Optional[float] = 1.0,
         poll_interval: float = 0.2,
         session_check_interval: float = 5.0,
+        _defer_open: bool = False,
     ):
         if synchronous not in ("NORMAL", "FULL"):
             raise ValueError("synchronous must be 'NORMAL' or 'FULL'")
@@ -118,12 +120,16 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
         self.session = None if readonly else sessions.current_session()
         self._conn: Any = None
         self._worker = db.Worker("agl-store")
-        try:
-            self._worker.call(self._open)
-        except BaseException:
-            self._worker.call(self._close_connection)
-            self._worker.shutdown()
-            raise
+        if not _defer_open:
+            self._worker.call(self._open_or_clean_up)
+
+    @classmethod
+    async def open(cls, path: Union[str, Path], **kwargs: Any) -> "SqliteStore":
+        """Like the constructor, but the file is opened on the worker thread, so the
+        running event loop does not block on it (schema, session, dead-process check)."""
+        store = cls(path, _defer_open=True, **kwargs)
+        await store._worker.run(store._open_or_clean_up)
+        return store
 
     @classmethod
     def open_readonly(cls, path: Union[str, Path], **kwargs: Any) -> "SqliteStore":
@@ -136,6 +142,15 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
         return None if self.session is None else self.session.session_id
 
     # -- lifecycle ---------------------------------------------------------------
+
+    def _open_or_clean_up(self) -> None:
+        try:
+            self._open()
+        except BaseException:
+            self._close_connection()
+            self._closed = True
+            threading.Thread(target=self._worker.shutdown, daemon=True).start()  # not from its own thread
+            raise
 
     def _open(self) -> None:
         self._conn = db.connect(
