@@ -221,7 +221,8 @@ def main() -> None:
         f"queued), then {args.rounds} rounds of {args.ops:,} single awaited calls of each operation; WAL,\n"
         "synchronous=NORMAL, file on disk. Rows \"(ops/s)\": best round, wall clock. The machine is shared\n"
         "with other jobs (see the load average), so the median round and the CPU-time rate are shown too.\n"
-        "add_span writes an `llm.chat` span with 200 prompt ids, 200 response ids and 200 logprobs.\n\n"
+        "add_span writes an `llm.chat` span with 200 prompt ids, 200 response ids and 200 logprobs.\n"
+        f"Each round enqueues {args.ops:,} more rollouts, so a store grows by rounds × ops while measured.\n\n"
         + table + "\n"
     )
     (args.out / "store.md").write_text(md)
