@@ -1,13 +1,18 @@
 """agl's one entry point: `python harness.py task=gsm8k algo=grpo` (Hydra composes conf/).
 
 Hydra owns config composition, overrides, sweeps (-m) and run dirs; agl.jobs owns the work.
+Resume a run in place with `python harness.py resume=<run dir>`.
 """
 import sys
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from agl.errors import ConfigError
+
+# A resumed run writes into its own dir, and keeps the .hydra/ config it was started with.
+OmegaConf.register_new_resolver("agl_run_dir", lambda resume, fresh: resume or fresh)
+OmegaConf.register_new_resolver("agl_output_subdir", lambda resume: None if resume else ".hydra")
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")

@@ -154,7 +154,7 @@ class Engine:
         self._resume = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agl-engine")
-        self._default_generator = torch.Generator(device="cpu").manual_seed(0)
+        self.generator = torch.Generator(device="cpu").manual_seed(0)
         self.stats = {"steps": 0, "prefill_tokens": 0, "prefill_shared_tokens": 0, "decode_tokens": 0}
 
     # ------------------------------------------------------------------ public API
@@ -404,7 +404,7 @@ class Engine:
             if (top_ps < 1).any():
                 probs = _top_p_filter(probs, top_ps)
             for j, row in enumerate(sample_rows):
-                generator = seqs[row].generator or self._default_generator
+                generator = seqs[row].generator or self.generator
                 tokens[row] = torch.multinomial(probs[j], 1, generator=generator)[0]
         chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
         tops = []

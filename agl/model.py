@@ -19,10 +19,12 @@ import dataclasses
 import hashlib
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Sequence
 
@@ -37,6 +39,32 @@ QUANTIZATIONS = ("nf4", "fp4", "int8", "none")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MANIFEST = "agl-manifest.json"  # written last: its presence and checksums mark a complete cache
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+# bitsandbytes logs a WARNING when it is imported without the optional `kernels` package (a
+# faster CPU 4-bit kernel): "Failed to load CPU gemm_4bit_forward from kernels-community".
+# Everything works without it, so the line only confuses users. Set before bitsandbytes loads.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
+@contextlib.contextmanager
+def quiet_loading() -> Iterator[None]:
+    """Hide transformers' per-tensor progress bars and a deprecation warning peft triggers.
+
+    Loading the 135M model takes seconds; "Loading weights: 272/272" bars and transformers 5's
+    "`is_gradient_checkpointing` is deprecated" (peft probes that attribute) are not actionable.
+    """
+    from transformers.utils import logging as hf_logging
+
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # again: callers may reset it
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*deprecated", category=FutureWarning)
+            yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 # ----------------------------------------------------------------------------- locating weights
@@ -101,9 +129,15 @@ def write_cache_atomically(target: Path, write: Any) -> Path:
             p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()
         }
         (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
-        if target.exists():  # an invalid leftover: replace it
-            shutil.rmtree(target)
-        os.replace(tmp, target)
+        if target.exists():
+            if cache_is_complete(target):  # another process finished first, and may be reading it
+                return target
+            shutil.rmtree(target)  # an invalid leftover: replace it
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process renamed its build into place in the meantime
+            if not cache_is_complete(target):
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
@@ -177,6 +211,8 @@ def resolve_model_path(path: str, cache_dir: str, tiny: dict | None = None) -> s
         return str(build_tiny(Path(cache_dir).expanduser(), tiny or {}))
     local = Path(path).expanduser()
     if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ConfigError(f"model.path '{path}' is a directory but not a HF model dir (it has no config.json)")
         return str(local)
     if HUB_ID.match(path) and not path.startswith((".", "/", "~")):
         return path  # a hub id: from_pretrained fetches it where a hub is reachable
@@ -292,6 +328,11 @@ def load_policy(cfg: Any, device: str = "auto") -> Policy:
 
     ``cfg`` is the ``model`` config group (see conf/model/*.yaml).
     """
+    with quiet_loading():
+        return _load_policy(cfg, device)
+
+
+def _load_policy(cfg: Any, device: str) -> Policy:
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -302,7 +343,15 @@ def load_policy(cfg: Any, device: str = "auto") -> Policy:
     torch_device = resolve_device(device)
     path = resolve_model_path(cfg.path, cfg.cache_dir, cfg.get("tiny"))
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as error:  # typically a hub id (or a relative path typo that looks like one) offline
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        if Path(path).is_dir():
+            raise ConfigError(f"model.path '{cfg.path}': loading its tokenizer failed: {reason}") from error
+        raise ConfigError(
+            f"model.path '{cfg.path}' is not a local directory, and loading it as a hub id failed: {reason}"
+        ) from error
     base = AutoModelForCausalLM.from_pretrained(
         path,
         dtype=compute_dtype,

@@ -1,0 +1,223 @@
+"""GRPO on the LoRA: from scored samples to one optimizer step.
+
+``advantages`` turns rewards into per-sample advantages group by group; ``GRPOUpdate`` runs
+the forward/backward passes in micro-batches and steps the optimizer. The loss itself is in
+``agl.loss`` (pure tensors); this module only batches tokens and accumulates gradients.
+
+Left out on purpose: a value model (GRPO has none), and entropy bonuses (rarely help with
+LoRA at this scale; entropy is logged so collapse is visible).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections import defaultdict
+from typing import Any, Sequence
+
+import torch
+
+from agl.adapter import Sample
+from agl.loss import group_advantages, policy_loss, token_weights
+from agl.model import Policy
+
+
+@dataclasses.dataclass
+class GRPOConfig:
+    lr: float = 1e-4
+    loss_type: str = "grpo"
+    scale_rewards: str = "group"  # group | batch | none
+    epsilon: float = 0.2
+    epsilon_high: float | None = None
+    beta: float = 0.0  # KL weight against the adapter-disabled base model
+    num_iterations: int = 1  # mu: optimizer passes over each batch
+    micro_batch_size: int = 8
+    max_grad_norm: float = 1.0
+    mask_truncated: bool = False  # drop completions cut off by max_tokens from the loss
+    drop_zero_std: bool = True  # groups whose rewards are all equal teach nothing
+    weight_decay: float = 0.0
+    old_logprobs: str = "recorded"  # recorded (from spans) | recompute (trainer forward before step)
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> "GRPOConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in dict(cfg).items() if k in names})
+
+
+def advantages(samples: Sequence[Sample], scale: str, drop_zero_std: bool) -> tuple[list[Sample], list[float], dict]:
+    """Per-sample advantages, comparing each rollout with the others of its group.
+
+    A group where every rollout got the same reward has zero advantage everywhere, so it is
+    skipped (``drop_zero_std``): it would only add forward/backward cost and dilute the mean.
+    """
+    by_group: dict[Any, list[Sample]] = defaultdict(list)
+    for sample in samples:
+        by_group[sample.group].append(sample)
+    all_rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
+    batch_std = float(all_rewards.std()) if len(samples) > 1 else 0.0
+    kept, advs, zero_std = [], [], 0
+    for group in by_group.values():
+        # one reward per rollout: a merged multi-turn rollout may still give several samples
+        per_rollout = {s.rollout_id: s.reward for s in group}
+        rewards_G = torch.tensor(list(per_rollout.values()), dtype=torch.float32)
+        if len(rewards_G) < 2 or float(rewards_G.std()) == 0.0:
+            zero_std += 1
+            if drop_zero_std:
+                continue
+        if len(rewards_G) < 2:
+            adv_by_rollout = {rid: 0.0 for rid in per_rollout}
+        else:
+            adv_G = group_advantages(rewards_G, scale, batch_std=batch_std)
+            adv_by_rollout = dict(zip(per_rollout, adv_G.tolist()))
+        for sample in group:
+            kept.append(sample)
+            advs.append(adv_by_rollout[sample.rollout_id])
+    stats = {"frac_reward_zero_std": zero_std / max(len(by_group), 1), "groups": len(by_group)}
+    return kept, advs, stats
+
+
+@dataclasses.dataclass
+class TokenBatch:
+    """Samples laid out for one forward pass: prompts left-padded, completions right-padded.
+
+    [pad pad p p p | c c c pad]  so every completion starts at the same column and
+    ``logits_to_keep`` can skip the vocabulary projection over the prompt part.
+    """
+
+    input_ids_BL: torch.Tensor
+    attention_mask_BL: torch.Tensor
+    completion_BT: torch.Tensor  # completion token ids
+    mask_BT: torch.Tensor  # float, 1 where the loss applies
+    old_logp_BT: torch.Tensor
+    temperature_B: torch.Tensor
+
+    @classmethod
+    def build(cls, samples: Sequence[Sample], pad_id: int, mask_truncated: bool) -> "TokenBatch":
+        p_max = max(len(s.prompt_ids) for s in samples)
+        t_max = max(len(s.completion_ids) for s in samples)
+        B = len(samples)
+        input_ids = torch.full((B, p_max + t_max), pad_id, dtype=torch.long)
+        attention = torch.zeros((B, p_max + t_max), dtype=torch.long)
+        completion = torch.full((B, t_max), pad_id, dtype=torch.long)
+        mask = torch.zeros((B, t_max))
+        old_logp = torch.zeros((B, t_max))
+        for i, s in enumerate(samples):
+            p, t = len(s.prompt_ids), len(s.completion_ids)
+            input_ids[i, p_max - p : p_max] = torch.tensor(s.prompt_ids)
+            input_ids[i, p_max : p_max + t] = torch.tensor(s.completion_ids)
+            attention[i, p_max - p : p_max + t] = 1
+            completion[i, :t] = torch.tensor(s.completion_ids)
+            if not (mask_truncated and s.truncated):
+                mask[i, :t] = torch.tensor(s.mask, dtype=torch.float32)
+            old_logp[i, :t] = torch.tensor(s.logprobs, dtype=torch.float32)
+        temperature = torch.tensor([s.temperature for s in samples], dtype=torch.float32)
+        return cls(input_ids, attention, completion, mask, old_logp, temperature)
+
+
+def completion_logprobs(policy: Policy, batch: TokenBatch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the completion tokens under the policy, at each sample's temperature. [B, T]"""
+    device = policy.device
+    attention = batch.attention_mask_BL.to(device)
+    positions = (attention.cumsum(-1) - 1).clamp(min=0)
+    T = batch.completion_BT.shape[1]
+    out = policy.model(
+        input_ids=batch.input_ids_BL.to(device),
+        attention_mask=attention,
+        position_ids=positions,
+        use_cache=False,
+        logits_to_keep=T + 1,  # the logit at position t predicts token t+1
+    )
+    logits_BTV = out.logits[:, :-1].float() / batch.temperature_B.to(device)[:, None, None]
+    tokens_BT = batch.completion_BT.to(device)
+    logp_BT = logits_BTV.gather(-1, tokens_BT[..., None])[..., 0] - torch.logsumexp(logits_BTV, dim=-1)
+    entropy_BT = None
+    if with_entropy:
+        with torch.no_grad():
+            probs = torch.softmax(logits_BTV, dim=-1)
+            entropy_BT = -(probs * torch.log_softmax(logits_BTV, dim=-1)).sum(-1)
+    return logp_BT.cpu() if device.type != "cpu" else logp_BT, entropy_BT
+
+
+class GRPOUpdate:
+    """Owns the optimizer; ``step(samples, advantages)`` is one policy update."""
+
+    def __init__(self, policy: Policy, config: GRPOConfig):
+        self.policy = policy
+        self.config = config
+        self.optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=config.lr, weight_decay=config.weight_decay)
+
+    def step(self, samples: Sequence[Sample], advs: Sequence[float]) -> dict[str, float]:
+        cfg = self.config
+        policy = self.policy
+        pad_id = policy.tokenizer.pad_token_id if policy.tokenizer.pad_token_id is not None else policy.eos_token_ids[0]
+        # Length-sorted micro-batches waste less compute on padding.
+        order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_ids) + len(samples[i].completion_ids))
+        chunks = [order[i : i + cfg.micro_batch_size] for i in range(0, len(order), cfg.micro_batch_size)]
+        batches = [TokenBatch.build([samples[i] for i in chunk], pad_id, cfg.mask_truncated) for chunk in chunks]
+        adv_chunks = [torch.tensor([advs[i] for i in chunk], dtype=torch.float32) for chunk in chunks]
+        max_len = max(b.mask_BT.shape[1] for b in batches)
+        # Weights over the whole step, so accumulation over micro-batches equals one big batch.
+        all_mask = torch.zeros((len(samples), max_len))
+        row = 0
+        for b in batches:
+            all_mask[row : row + len(b.mask_BT), : b.mask_BT.shape[1]] = b.mask_BT
+            row += len(b.mask_BT)
+        all_weights = token_weights(all_mask, cfg.loss_type, max_len)
+        weights, row = [], 0
+        for b in batches:
+            weights.append(all_weights[row : row + len(b.mask_BT), : b.mask_BT.shape[1]])
+            row += len(b.mask_BT)
+
+        timings = defaultdict(float)
+        if cfg.old_logprobs == "recompute":
+            start = time.perf_counter()
+            with torch.no_grad():
+                for b in batches:
+                    b.old_logp_BT = completion_logprobs(policy, b)[0].detach()
+            timings["old_logprob_s"] += time.perf_counter() - start
+        refs: list[torch.Tensor | None] = [None] * len(batches)
+        if cfg.beta:
+            start = time.perf_counter()
+            with torch.no_grad(), policy.reference():
+                refs = [completion_logprobs(policy, b)[0].detach() for b in batches]
+            timings["ref_s"] += time.perf_counter() - start
+
+        policy.model.train()
+        sums: dict[str, float] = defaultdict(float)
+        grad_norm = 0.0
+        for _ in range(cfg.num_iterations):
+            self.optimizer.zero_grad(set_to_none=True)
+            for b, adv_B, w_BT, ref_BT in zip(batches, adv_chunks, weights, refs):
+                start = time.perf_counter()
+                logp_BT, entropy_BT = completion_logprobs(policy, b, with_entropy=True)
+                loss, stats = policy_loss(
+                    logp_BT, b.old_logp_BT, adv_B, b.mask_BT, w_BT,
+                    loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                    beta=cfg.beta, ref_logp_BT=ref_BT,
+                )
+                timings["forward_s"] += time.perf_counter() - start
+                start = time.perf_counter()
+                loss.backward()
+                timings["backward_s"] += time.perf_counter() - start
+                n = float(stats["tokens"])
+                sums["tokens"] += n
+                sums["loss"] += float(loss.detach())
+                for key in ("clip_ratio_low", "clip_ratio_high", "kl", "ratio_mean"):
+                    sums[key] += float(stats[key]) * n
+                sums["entropy"] += float((entropy_BT * b.mask_BT).sum())
+                sums["logprob_diff_abs"] += float(((logp_BT.detach() - b.old_logp_BT).abs() * b.mask_BT).sum())
+            start = time.perf_counter()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.max_grad_norm))
+            self.optimizer.step()
+            timings["optimizer_s"] += time.perf_counter() - start
+        policy.model.eval()
+
+        n_tokens = max(sums["tokens"], 1.0)
+        metrics = {
+            "loss": sums["loss"] / cfg.num_iterations,
+            "grad_norm": grad_norm if math.isfinite(grad_norm) else float("nan"),
+            "train_tokens": sums["tokens"] / cfg.num_iterations,
+            **{k: sums[k] / n_tokens for k in ("clip_ratio_low", "clip_ratio_high", "kl", "ratio_mean", "entropy", "logprob_diff_abs")},
+            **timings,
+        }
+        return metrics

@@ -1,0 +1,59 @@
+"""Training curves as PNGs, redrawn from metrics.jsonl (no model, no store needed)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on a training box
+import matplotlib.pyplot as plt  # noqa: E402
+
+PANELS = [
+    ("reward", ["reward_mean"]),
+    ("eval", ["eval/reward", "eval/correct", "eval/format", "eval/says_identity"]),
+    ("kl_entropy", ["kl", "entropy"]),
+    ("length", ["completion_len_mean"]),
+    ("clip", ["clip_ratio_low", "clip_ratio_high"]),
+    ("time", ["time_rollout_s", "time_update_s", "time_other_s"]),
+]
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not Path(path).is_file():
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _series(rows: Sequence[dict], key: str) -> tuple[list[float], list[float]]:
+    points = [(r["step"], r[key]) for r in rows if r.get(key) is not None and "step" in r]
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def draw_panels(runs: dict[str, Sequence[dict]], out: Path, panels: Iterable[tuple[str, list[str]]] = PANELS) -> Path:
+    """One figure, one panel per metric group, one line per (run, metric)."""
+    panels = [(title, keys) for title, keys in panels if any(_series(rows, k)[0] for rows in runs.values() for k in keys)]
+    if not panels:
+        return out
+    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)), squeeze=False)
+    for ax, (title, keys) in zip(axes[:, 0], panels):
+        for run, rows in runs.items():
+            for key in keys:
+                x, y = _series(rows, key)
+                if x:
+                    label = key if len(runs) == 1 else f"{run}: {key}"
+                    ax.plot(x, y, marker="o" if len(x) < 30 else None, markersize=3, label=label)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    return out
+
+
+def draw_run_plots(metrics_path: Path, run_dir: Path) -> Path:
+    return draw_panels({"run": read_metrics(metrics_path)}, Path(run_dir) / "curves.png")

@@ -1,0 +1,611 @@
+"""The model route: an OpenAI-compatible HTTP server over the engine, inside the harness process.
+
+Agents talk to the policy through ``/v1/chat/completions`` and ``/v1/completions`` like any
+OpenAI endpoint. Under ``/rollout/{rollout_id}/attempt/{attempt_id}/v1`` the same calls are
+also *recorded*: each sampled choice becomes one span in the store with the exact prompt
+token ids, sampled token ids, their log-probs and the policy version that sampled them, which
+is what the trainer learns from. Unscoped ``/v1`` calls are served but not recorded.
+
+Why in-process: the server runs as a task on the caller's event loop (``uvicorn.Server.serve``),
+next to the engine and the store. No second process, no IPC, and the trainer can pause the
+engine between steps while the route keeps accepting requests.
+
+Choices worth knowing:
+  - n > 1 is one ``engine.submit`` (shared prefill) and writes one span per choice, all with
+    the same ``trace_id``: each choice is a separate sample for the trainer.
+  - max_tokens, when omitted, is the room left in the context, capped at ``default_max_tokens``
+    (1024).
+  - Returned text is exactly what was sampled, special tokens included, minus a final stop
+    token and anything from a matched stop string on. ``logprobs`` and ``token_ids`` cover
+    every sampled token, the final stop token included (it is part of what the trainer sees).
+  - ``tool_choice`` "required" or a named function is not enforced (the template is told about
+    the tools as with "auto"); "none" renders and parses no tools.
+  - With tools, a streamed reply arrives as one delta when the sequence ends, because tool-call
+    text can only be parsed whole.
+  - A client that disconnects cancels its sequences; nothing is recorded for it.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import secrets
+import socket
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from agl.chat import Delta, History, OutputAssembler, Turn, decode, parse_tool_calls, render_prompt, template_messages
+from agl.engine import SamplingParams, SequenceStream
+from agl.openai_schema import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    conflict,
+    error_body,
+    not_found,
+    parse_request,
+    unauthorized,
+)
+from agl.types import Span
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_TOKENS = 1024
+FINISHED_ATTEMPT_STATUSES = ("succeeded", "failed", "timeout")  # an "unresponsive" attempt may come back
+MIN_LOGPROB = -9999.0  # what OpenAI reports for impossible tokens; JSON has no -Infinity
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn without its signal handlers: Ctrl-C belongs to the harness, not to the route."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+@dataclasses.dataclass
+class _Choice:
+    index: int
+    stream: SequenceStream
+    out: OutputAssembler
+    finish_reason: str | None = None
+    content: str | None = None
+    tool_calls: list[dict] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class _Call:
+    """Everything about one generation request that the response and the spans need."""
+
+    kind: str  # "chat" | "completion"
+    req: ChatCompletionRequest | CompletionRequest
+    prompt_ids: list[int]
+    scope: tuple[str, str] | None  # (rollout_id, attempt_id) when recorded
+    tools: list[dict] | None  # tools given to the template (and parsed back), if any
+    reused_tokens: int
+    received_at: float  # perf_counter at arrival
+    received_wall: float  # time.time() at arrival
+    id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(12))
+    choices: list[_Choice] = dataclasses.field(default_factory=list)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.out.token_ids) for c in self.choices)
+
+    def usage(self) -> dict:
+        prompt = len(self.prompt_ids)
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens, "total_tokens": prompt + self.completion_tokens}
+
+
+class _ClientGone(Exception):
+    pass
+
+
+class ModelServer:
+    """OpenAI-compatible route over ``engine`` on the caller's event loop.
+
+    The engine's lifecycle is the caller's: start it before serving, stop it after ``stop()``.
+
+    >>> server = ModelServer(engine, policy, store)     # doctest: +SKIP
+    >>> await server.start(); server.base_url            # doctest: +SKIP
+    'http://127.0.0.1:40321/v1'
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        policy: Any,
+        store: Any = None,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    ):
+        self.engine = engine
+        self.policy = policy
+        self.store = store
+        self.host = host
+        self.port = port
+        self.api_key = api_key
+        self.default_max_tokens = default_max_tokens
+        self.history = History()
+        self.app = self._build_app()
+        self._server: _EmbeddedUvicorn | None = None
+        self._task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def rollout_base_url(self, rollout_id: str, attempt_id: str) -> str:
+        return f"{self.url}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
+
+    async def start(self) -> None:
+        """Bind (port 0 picks a free port, known right away) and serve as a task on this loop."""
+        if self._task is not None:
+            return
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+        self._server = _EmbeddedUvicorn(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="agl-model-server")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # re-raise why it could not start
+                raise RuntimeError("the model server stopped during startup")
+            await asyncio.sleep(0.005)
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = self._server = None
+
+    # ------------------------------------------------------------------ app
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="agl model route", docs_url=None, redoc_url=None, openapi_url=None)
+        router = APIRouter(dependencies=[Depends(self._authorize)])
+        router.add_api_route("/models", self._models, methods=["GET"])
+        router.add_api_route("/chat/completions", self._chat, methods=["POST"])
+        router.add_api_route("/completions", self._completions, methods=["POST"])
+        app.include_router(router, prefix="/v1")
+        app.include_router(router, prefix="/rollout/{rollout_id}/attempt/{attempt_id}/v1")
+        app.add_api_route("/health", self._health, methods=["GET"])
+
+        @app.exception_handler(APIError)
+        async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+            return JSONResponse(exc.body(), status_code=exc.status)
+
+        @app.exception_handler(RequestValidationError)
+        async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+            return JSONResponse(error_body(str(exc), "invalid_request_error"), status_code=400)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+            kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+            return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+        @app.exception_handler(Exception)
+        async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+            log.exception("unexpected error serving %s", request.url.path)
+            return JSONResponse(error_body(f"Internal server error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)
+
+        return app
+
+    async def _authorize(self, request: Request) -> None:
+        if self.api_key is not None:
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                raise unauthorized()
+
+    async def _health(self) -> dict:
+        return {
+            "status": "ok",
+            "model": self.policy.name,
+            "policy_version": self.policy.version,
+            "running": self.engine.num_running,
+            "waiting": self.engine.num_waiting,
+        }
+
+    async def _models(self) -> dict:
+        return {
+            "object": "list",
+            "data": [{"id": self.policy.name, "object": "model", "created": 0, "owned_by": "agl", "max_model_len": self.policy.context_length}],
+        }
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def _chat(self, request: Request) -> Response:
+        received_at, received_wall = time.perf_counter(), time.time()
+        req = parse_request(ChatCompletionRequest, await request.body())
+        scope = await self._check_scope(request)
+        use_tools = bool(req.tools) and req.tool_choice != "none"
+        if use_tools and not self.policy.supports_tools:
+            raise bad_request(f"The chat template of model '{self.policy.name}' does not support tools.", param="tools", code="tools_not_supported")
+        tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if use_tools else None
+        turns = await self._turns(scope) if scope else ()
+        try:
+            prompt = render_prompt(self.policy, template_messages(req.messages), tools, turns)
+        except Exception as exc:  # jinja errors: roles that must alternate, missing fields, ...
+            raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from None
+        call = _Call("chat", req, prompt.ids, scope, tools, prompt.reused, received_at, received_wall)
+        return await self._generate(request, call)
+
+    async def _completions(self, request: Request) -> Response:
+        received_at, received_wall = time.perf_counter(), time.time()
+        req = parse_request(CompletionRequest, await request.body())
+        scope = await self._check_scope(request)
+        if isinstance(req.prompt, str):
+            prompt_ids = self.policy.tokenizer(req.prompt)["input_ids"]
+        else:
+            vocab = len(self.policy.tokenizer)
+            if max(req.prompt) >= vocab:
+                raise bad_request(f"Token id {max(req.prompt)} is out of range (vocabulary size {vocab}).", param="prompt")
+            prompt_ids = list(req.prompt)
+        if not prompt_ids:
+            raise bad_request("The prompt is empty.", param="prompt")
+        call = _Call("completion", req, list(prompt_ids), scope, None, 0, received_at, received_wall)
+        return await self._generate(request, call)
+
+    async def _check_scope(self, request: Request) -> tuple[str, str] | None:
+        """(rollout_id, attempt_id) of a rollout route, after 404 / 409 checks; None if unscoped."""
+        rollout_id = request.path_params.get("rollout_id")
+        if rollout_id is None:
+            return None
+        attempt_id = request.path_params["attempt_id"]
+        if self.store is None:
+            raise not_found("This server has no store, so rollout routes are unavailable; use /v1.")
+        if await self.store.get_rollout_by_id(rollout_id) is None:
+            raise not_found(f"Rollout '{rollout_id}' does not exist.", code="rollout_not_found")
+        attempt = next((a for a in await self.store.query_attempts(rollout_id) if a.attempt_id == attempt_id), None)
+        if attempt is None:
+            raise not_found(f"Attempt '{attempt_id}' of rollout '{rollout_id}' does not exist.", code="attempt_not_found")
+        if attempt.status in FINISHED_ATTEMPT_STATUSES:
+            raise conflict(f"Attempt '{attempt_id}' of rollout '{rollout_id}' already finished ({attempt.status}).", code="attempt_finished")
+        return rollout_id, attempt_id
+
+    async def _turns(self, scope: tuple[str, str]) -> list[Turn]:
+        """Earlier turns of this attempt: from memory, else (e.g. after a restart) from its spans."""
+        turns = self.history.get(scope)
+        if turns is None:
+            spans = await self.store.query_spans(*scope)
+            turns = [
+                Turn(list(s.prompt_token_ids), list(s.response_token_ids), decode(self.policy.tokenizer, s.prompt_token_ids))
+                for s in spans[-self.history.turns_per_attempt:]
+                if s.name == "llm.chat" and s.prompt_token_ids and s.response_token_ids is not None
+            ]
+            self.history.load(scope, turns)
+        return turns
+
+    # ------------------------------------------------------------------ generation
+
+    def _sampling_params(self, call: _Call) -> SamplingParams:
+        req, prompt_len, context = call.req, len(call.prompt_ids), self.policy.context_length
+        room = context - prompt_len
+        if req.token_limit is None:
+            if room < 1:
+                raise bad_request(
+                    f"The prompt has {prompt_len} tokens, which leaves no room in the model's context length of {context} tokens.",
+                    param="messages" if call.kind == "chat" else "prompt",
+                    code="context_length_exceeded",
+                )
+            max_tokens = min(self.default_max_tokens, room)
+        elif prompt_len + req.token_limit > context:
+            raise bad_request(
+                f"This model's maximum context length is {context} tokens. However, you requested "
+                f"{prompt_len + req.token_limit} tokens ({prompt_len} in the prompt, {req.token_limit} in the completion).",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        else:
+            max_tokens = req.token_limit
+        if req.n > self.engine.max_batch_size:
+            raise bad_request(f"n={req.n} exceeds the engine's batch size ({self.engine.max_batch_size}).", param="n")
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=req.seed,
+            top_logprobs=req.n_top_logprobs,
+            ignore_eos=req.ignore_eos,
+        )
+
+    async def _generate(self, request: Request, call: _Call) -> Response:
+        params = self._sampling_params(call)
+        streams = self.engine.submit(call.prompt_ids, params, n=call.req.n)
+        tokenizer, stops = self.policy.tokenizer, call.req.stop_strings
+        call.choices = [
+            _Choice(i, s, OutputAssembler(tokenizer, stops, s.stop_ids, top_logprobs=params.top_logprobs > 0)) for i, s in enumerate(streams)
+        ]
+        if call.req.stream:
+            return StreamingResponse(self._sse(call), media_type="text/event-stream")
+        try:
+            await _unless_disconnected(request, asyncio.gather(*(self._run_choice(call, c) for c in call.choices)))
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            for choice in call.choices:
+                choice.stream.cancel()
+        await self._record(call)
+        return JSONResponse(self._response(call))
+
+    async def _run_choice(self, call: _Call, choice: _Choice, on_delta: Callable[[_Choice, Delta], Awaitable[None]] | None = None) -> None:
+        """Consume one sequence's tokens until it ends or a stop string matches."""
+        out = choice.out
+        async for event in choice.stream:
+            out.add(event.token_id, event.logprob, event.top_logprobs)
+            if out.stop_matched:
+                choice.stream.cancel()  # free the slot now; later tokens are never seen
+                break
+            if on_delta is not None:
+                delta = out.release()
+                if delta.text:
+                    await on_delta(choice, delta)
+        if not out.stop_matched:
+            await choice.stream.wait()
+            out.finish()
+        if choice.stream.finish_reason == "abort" and not out.stop_matched:
+            raise APIError(503, "The engine stopped before this request finished.", "server_error", code="engine_stopped")
+        choice.finish_reason = "stop" if out.stop_matched else choice.stream.finish_reason
+        choice.content = out.text
+        if call.tools:
+            choice.content, choice.tool_calls = parse_tool_calls(out.text)
+            if choice.tool_calls:
+                choice.finish_reason = "tool_calls"
+
+    async def _sse(self, call: _Call) -> AsyncIterator[str]:
+        """Server-sent events of a streamed call; choices run concurrently into one queue."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def emit(choice: _Choice, delta: Delta) -> None:
+            await queue.put(self._chunk(call, choice, delta, finish_reason=None))
+
+        async def run(choice: _Choice) -> None:
+            try:
+                await self._run_choice(call, choice, None if call.tools else emit)
+                await queue.put(self._chunk(call, choice, choice.out.release(final=True), choice.finish_reason))
+            except Exception as exc:
+                await queue.put(exc)
+            finally:
+                await queue.put(done)
+
+        tasks = []
+        try:
+            for choice in call.choices:
+                yield _sse_line(self._chunk(call, choice, None, None))  # the role / first chunk
+            tasks = [asyncio.create_task(run(choice)) for choice in call.choices]
+            remaining = len(tasks)
+            while remaining:
+                item = await queue.get()
+                if item is done:
+                    remaining -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield _sse_line(item)
+            await self._record(call)
+            if call.req.include_usage:
+                yield _sse_line({**self._envelope(call, chunk=True), "choices": [], "usage": call.usage()})
+            yield "data: [DONE]\n\n"
+        except APIError as exc:
+            yield _sse_line(exc.body())
+        except Exception as exc:
+            log.exception("unexpected error while streaming")
+            yield _sse_line(error_body(f"Internal server error: {type(exc).__name__}: {exc}", "server_error"))
+        finally:
+            for task in tasks:
+                task.cancel()
+            for choice in call.choices:
+                choice.stream.cancel()
+
+    # ------------------------------------------------------------------ responses
+
+    def _envelope(self, call: _Call, chunk: bool = False) -> dict:
+        if call.kind == "chat":
+            obj, prefix = ("chat.completion.chunk" if chunk else "chat.completion"), "chatcmpl-"
+        else:
+            obj, prefix = "text_completion", "cmpl-"
+        return {"id": prefix + call.id, "object": obj, "created": int(call.received_wall), "model": self.policy.name}
+
+    def _response(self, call: _Call) -> dict:
+        choices = []
+        for choice in call.choices:
+            out = choice.out
+            delta = Delta(choice.content or "", out.token_ids, out.logprobs, out.top_logprobs)
+            if call.kind == "chat":
+                message: dict[str, Any] = {"role": "assistant", "content": choice.content}
+                if choice.tool_calls:
+                    message["tool_calls"] = choice.tool_calls
+                item = {"index": choice.index, "message": message, "logprobs": self._logprobs(call, delta), "finish_reason": choice.finish_reason}
+            else:
+                item = {"index": choice.index, "text": out.text, "logprobs": self._logprobs(call, delta), "finish_reason": choice.finish_reason}
+            if call.req.return_token_ids:
+                item["token_ids"] = out.token_ids
+            choices.append(item)
+        body = {**self._envelope(call), "choices": choices, "usage": call.usage()}
+        if call.req.return_token_ids:
+            body["prompt_token_ids"] = call.prompt_ids
+        return body
+
+    def _chunk(self, call: _Call, choice: _Choice, delta: Delta | None, finish_reason: str | None) -> dict:
+        """One streamed chunk; ``delta=None`` is the opening chunk of a choice."""
+        body = self._envelope(call, chunk=True)
+        if call.kind == "chat":
+            if delta is None:
+                content: dict[str, Any] = {"role": "assistant", "content": ""}
+            elif call.tools and finish_reason is not None:  # tools: everything arrives at the end
+                content = {"content": choice.content}
+                if choice.tool_calls:
+                    content["tool_calls"] = [{"index": j, **tc} for j, tc in enumerate(choice.tool_calls)]
+            else:
+                content = {"content": delta.text}
+            item = {"index": choice.index, "delta": content}
+        else:
+            item = {"index": choice.index, "text": delta.text if delta else ""}
+        item["logprobs"] = self._logprobs(call, delta) if delta else None
+        item["finish_reason"] = finish_reason
+        if call.req.return_token_ids:
+            item["token_ids"] = delta.token_ids if delta else []
+            if delta is None and choice.index == 0:
+                body["prompt_token_ids"] = call.prompt_ids
+        body["choices"] = [item]
+        return body
+
+    def _logprobs(self, call: _Call, delta: Delta) -> dict | None:
+        """OpenAI's logprobs object for the tokens of ``delta`` (chat or legacy completion shape)."""
+        if not call.req.wants_logprobs:
+            return None
+        tokenizer = self.policy.tokenizer
+        texts = [decode(tokenizer, [t]) for t in delta.token_ids]
+        tops = delta.top_logprobs or [[] for _ in delta.token_ids]
+        if call.kind == "chat":
+            return {
+                "content": [
+                    {
+                        "token": text,
+                        "logprob": _finite(lp),
+                        "bytes": list(text.encode()),
+                        "top_logprobs": [
+                            {"token": (alt := decode(tokenizer, [tid])), "logprob": _finite(alp), "bytes": list(alt.encode())} for tid, alp in top
+                        ],
+                    }
+                    for text, lp, top in zip(texts, delta.logprobs, tops)
+                ],
+                "refusal": None,
+            }
+        offsets, position = [], 0
+        for text in texts:
+            offsets.append(position)
+            position += len(text)
+        return {
+            "tokens": texts,
+            "token_logprobs": [_finite(lp) for lp in delta.logprobs],
+            "top_logprobs": [{decode(tokenizer, [tid]): _finite(alp) for tid, alp in top} for top in tops] if call.req.n_top_logprobs else None,
+            "text_offset": offsets,
+        }
+
+    # ------------------------------------------------------------------ recording
+
+    async def _record(self, call: _Call) -> None:
+        """One span per choice (same trace_id) for a rollout call; remember chat turns for prefix reuse."""
+        if call.scope is None:
+            return
+        rollout_id, attempt_id = call.scope
+        req = call.req
+        sampling = {
+            "max_tokens": call.choices[0].stream.params.max_tokens,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
+            "n": req.n,
+            "seed": req.seed,
+            "stop": req.stop_strings,
+            "top_logprobs": req.n_top_logprobs,
+            "ignore_eos": req.ignore_eos,
+        }
+        if call.kind == "chat":
+            request = {"messages": [m.model_dump(exclude_none=True) for m in req.messages], "tools": call.tools, "sampling": sampling}
+        else:
+            request = {"prompt": req.prompt, "sampling": sampling}
+        trace_id = secrets.token_hex(16)
+        prompt_text = decode(self.policy.tokenizer, call.prompt_ids) if call.kind == "chat" else ""
+        for choice in call.choices:
+            stream, out = choice.stream, choice.out
+            attributes = {
+                "policy_version": stream.policy_version,
+                "model": self.policy.name,
+                "request": request,
+                "choice_index": choice.index,
+                "finish_reason": choice.finish_reason,
+                "stop_string": out.stop_matched,
+                "response_text": out.text,
+                "tool_calls": choice.tool_calls or None,
+                "usage": {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(out.token_ids)},
+                "prompt_reused_tokens": call.reused_tokens,
+                "timings": _timings(call, stream),
+            }
+            span = Span(
+                rollout_id=rollout_id,
+                attempt_id=attempt_id,
+                trace_id=trace_id,
+                name=f"llm.{call.kind}",
+                start_time=call.received_wall,
+                end_time=call.received_wall + ((stream.finished_at or time.perf_counter()) - call.received_at),
+                attributes=attributes,
+                prompt_token_ids=call.prompt_ids,
+                response_token_ids=out.token_ids,
+                response_logprobs=out.logprobs,
+            )
+            await self.store.add_span(span)
+            if call.kind == "chat":
+                self.history.add(call.scope, Turn(call.prompt_ids, out.token_ids, prompt_text))
+
+
+def _timings(call: _Call, stream: SequenceStream) -> dict:
+    """Seconds: render (arrival -> submit), queue (submit -> prefill starts), prefill (-> first token), total."""
+    end = stream.finished_at or time.perf_counter()
+    first = stream.first_token_at
+    admitted = getattr(stream, "admitted_at", None)
+    return {
+        "render_s": stream.submitted_at - call.received_at,
+        "queue_s": None if admitted is None else admitted - stream.submitted_at,
+        "prefill_s": None if admitted is None or first is None else first - admitted,
+        "first_token_s": None if first is None else first - stream.submitted_at,
+        "total_s": end - call.received_at,
+    }
+
+
+def _finite(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+def _sse_line(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+async def _unless_disconnected(request: Request, work: Awaitable) -> Any:
+    """Await ``work``; if the client disconnects first, cancel it and raise ``_ClientGone``.
+
+    The body has been read, so the next ASGI message can only be the disconnect.
+    """
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(work)
+    watcher = asyncio.create_task(disconnected())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        gone = not work.done()
+        if gone:  # the client left, or this handler itself is being cancelled
+            work.cancel()
+            work.add_done_callback(lambda f: f.cancelled() or f.exception())  # nobody awaits it now
+    if gone:
+        raise _ClientGone()
+    return work.result()

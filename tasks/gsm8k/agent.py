@@ -1,0 +1,27 @@
+"""The GSM8K agent: one chat call, scored on the final `#### N` line."""
+from __future__ import annotations
+
+import openai
+
+import agl
+from tasks.gsm8k.data import load_split
+from tasks.gsm8k.scoring import reward, score
+
+
+def gsm8k_agent(task: dict, llm: agl.LLM, prompt_template: str, format_bonus: float = 0.1, **_: object) -> float:
+    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key)
+    reply = client.chat.completions.create(
+        model=llm.model,
+        messages=[{"role": "user", "content": prompt_template.format(question=task["question"])}],
+        **llm.sampling_parameters,
+    )
+    text = reply.choices[0].message.content or ""
+    scored = score(text, task["gold"])
+    agl.emit_metric("correct", float(scored["correct"]))
+    agl.emit_metric("format", float(scored["format"]))
+    agl.emit_metric("correct_lenient", float(score(text, task["gold"], strict=False)["correct"]))
+    return reward(text, task["gold"], format_bonus=format_bonus)
+
+
+def load(split: str) -> list[dict]:
+    return load_split(split)

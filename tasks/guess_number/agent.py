@@ -1,0 +1,43 @@
+"""Guess the number: the agent guesses 1-100 and hears "too low" or "too high", up to N turns.
+
+Every turn appends the model's reply and the game's answer to one conversation, so the
+route's prompts extend each other and the adapter merges the turns into one training
+sequence with only the model's tokens in the loss. Reward 1 on success, else 0.
+"""
+from __future__ import annotations
+
+import random
+import re
+
+import openai
+
+import agl
+
+SYSTEM = "You are playing a guessing game. I am thinking of a whole number from 1 to 100. Reply with a single number as your guess."
+
+
+def guess_number_agent(task: dict, llm: agl.LLM, prompt_template: str = SYSTEM, max_turns: int = 6, **_: object) -> float:
+    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key)
+    secret = task["secret"]
+    messages = [{"role": "system", "content": prompt_template}, {"role": "user", "content": "Make your first guess."}]
+    for turn in range(max_turns):
+        reply = client.chat.completions.create(model=llm.model, messages=messages, **llm.sampling_parameters)
+        text = reply.choices[0].message.content or ""
+        messages.append({"role": "assistant", "content": text})
+        match = re.search(r"-?\d+", text)
+        if match is None:
+            feedback = "That is not a number. Reply with a single number from 1 to 100."
+        elif int(match.group()) == secret:
+            agl.emit_metric("turns", float(turn + 1))
+            return 1.0
+        else:
+            feedback = "Too low. Guess again." if int(match.group()) < secret else "Too high. Guess again."
+        messages.append({"role": "user", "content": feedback})
+    agl.emit_metric("turns", float(max_turns))
+    return 0.0
+
+
+def load(split: str) -> list[dict]:
+    rng = random.Random({"train": 0, "test": 1}.get(split, 2))
+    size = 512 if split == "train" else 64
+    return [{"id": f"{split}-{i}", "secret": rng.randint(1, 100)} for i in range(size)]
