@@ -1,5 +1,6 @@
 """End to end on the tiny model: real store, real HTTP route, real runners, real GRPO update."""
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -55,8 +56,10 @@ async def test_grpo_steps_through_the_route_change_the_lora(tmp_path):
             assert sample.prompt_ids + sample.completion_ids == calls[-1].prompt_token_ids + calls[-1].response_token_ids
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
     assert (tmp_path / "curves.png").is_file()
-    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
-    assert len(lines) == 3  # baseline eval + 2 steps
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [-1, 0, 1]  # baseline eval + 2 steps
+    # the trainer's first-pass logprobs reproduce what the route recorded while sampling
+    assert lines[1]["logprob_diff_abs"] < 1e-3, lines[1]["logprob_diff_abs"]
 
 
 def test_kill_and_resume_continues_at_the_last_committed_step(tmp_path):
