@@ -75,9 +75,13 @@ class Prompt:
 
 
 class History:
-    """Recent turns per attempt, bounded both in attempts (LRU) and in turns per attempt."""
+    """Recent turns per attempt, bounded both in attempts (LRU) and in turns per attempt.
 
-    def __init__(self, max_attempts: int = 1024, turns_per_attempt: int = 32):
+    Only attempts still talking to the route need their turns; an evicted attempt falls
+    back to its spans in the store. The choices of one call share their prompt lists.
+    """
+
+    def __init__(self, max_attempts: int = 256, turns_per_attempt: int = 8):
         self.max_attempts = max_attempts
         self.turns_per_attempt = turns_per_attempt
         self._attempts: collections.OrderedDict[Any, collections.deque[Turn]] = collections.OrderedDict()
@@ -268,9 +272,15 @@ class OutputAssembler:
                 self._find_stop(start)
 
     def release(self, final: bool = False) -> Delta:
-        """Text and tokens not yet handed out; while running, keep back a possible stop-string start."""
+        """Text not yet handed out, with the tokens consumed since the last release.
+
+        While running, a possible stop-string start is kept back, and tokens that add no
+        text yet (half a character, held-back text) wait for the delta that shows their text.
+        """
         end = len(self.text) if (final or self.finished) else max(self._released_chars, len(self.text) - self.holdback)
         text = self.text[self._released_chars:end]
+        if not text and not final:
+            return Delta("", [], [], [] if self.top_logprobs is not None else None)
         tokens = slice(self._released_tokens, len(self.token_ids))
         delta = Delta(
             text,

@@ -23,6 +23,7 @@ Choices worth knowing:
   - With tools, a streamed reply arrives as one delta when the sequence ends, because tool-call
     text can only be parsed whole.
   - A client that disconnects cancels its sequences; nothing is recorded for it.
+  - With ``api_key`` set, every route but ``GET /health`` needs ``Authorization: Bearer <key>``.
 """
 from __future__ import annotations
 

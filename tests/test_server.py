@@ -182,13 +182,17 @@ async def test_completion_round_trip_async(served):
 def test_streaming_sync_chat_records_and_reports_usage(served):
     rid, aid = served.new_attempt()
     client = served.client(served.server.rollout_base_url(rid, aid))
-    stream = client.chat.completions.create(model="m", messages=USER, max_tokens=8, n=2, stream=True, stream_options={"include_usage": True})
-    texts, finish, usage = {0: "", 1: ""}, {}, None
+    stream = client.chat.completions.create(
+        model="m", messages=USER, max_tokens=8, n=2, stream=True, stream_options={"include_usage": True}, logprobs=True, extra_body={"return_token_ids": True}
+    )
+    texts, finish, usage, ids, logprobs = {0: "", 1: ""}, {}, None, {0: [], 1: []}, {0: [], 1: []}
     for chunk in stream:
         if chunk.usage:
             usage = chunk.usage
         for c in chunk.choices:
             texts[c.index] += c.delta.content or ""
+            ids[c.index] += c.token_ids
+            logprobs[c.index] += [t.logprob for t in (c.logprobs.content if c.logprobs else [])]
             if c.finish_reason:
                 finish[c.index] = c.finish_reason
     spans = served.spans(rid, aid)
@@ -197,6 +201,8 @@ def test_streaming_sync_chat_records_and_reports_usage(served):
     for i in (0, 1):
         assert decode(served.policy.tokenizer, reply_ids(by_choice[i])) == texts[i]
         assert finish[i] == by_choice[i].attributes["finish_reason"]
+        assert ids[i] == by_choice[i].response_token_ids
+        assert logprobs[i] == pytest.approx(by_choice[i].response_logprobs, abs=1e-5)
     assert usage.completion_tokens == sum(len(s.response_token_ids) for s in spans)
 
 

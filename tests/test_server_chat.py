@@ -111,17 +111,20 @@ def test_completion_prompt_forms():
 
 
 def assemble(tokenizer, ids, stops=(), stream=False):
+    """Feed ``ids`` as the route does; returns the assembler and the text of all deltas."""
     out = OutputAssembler(tokenizer, stops, {EOS})
-    pieces = []
+    deltas = []
     for t in ids:
         out.add(t, -1.0)
         if out.stop_matched:
             break
         if stream:
-            pieces.append(out.release().text)
+            deltas.append(out.release())
     out.finish()
-    pieces.append(out.release(final=True).text)
-    return out, "".join(pieces)
+    deltas.append(out.release(final=True))
+    assert [t for d in deltas for t in d.token_ids] == out.token_ids  # every token is in exactly one delta
+    assert all(d.text or d is deltas[-1] for d in deltas if d.token_ids)  # tokens travel with their text
+    return out, "".join(d.text for d in deltas)
 
 
 def test_eos_ends_text_without_its_own_text(tokenizer):
