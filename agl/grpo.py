@@ -78,63 +78,110 @@ def advantages(samples: Sequence[Sample], scale: str, drop_zero_std: bool) -> tu
 
 @dataclasses.dataclass
 class TokenBatch:
-    """Samples laid out for one forward pass: prompts left-padded, completions right-padded.
+    """Samples laid out for one forward pass; every tensor is aligned on the completion.
 
-    [pad pad p p p | c c c pad]  so every completion starts at the same column and
-    ``logits_to_keep`` can skip the vocabulary projection over the prompt part.
+    Two layouts:
+      - shared prompt (a GRPO group): the prompt is run once, its KV cache is expanded to
+        every row, and only the completions are run per row. For G=8 samples of a 150-token
+        prompt and 128-token completions that is ~1,200 tokens instead of ~2,200.
+      - padded: prompts left-padded, completions right-padded, one pass:
+        [pad pad p p p | c c c pad], so ``logits_to_keep`` skips the prompt's vocab projection.
     """
 
-    input_ids_BL: torch.Tensor
-    attention_mask_BL: torch.Tensor
-    completion_BT: torch.Tensor  # completion token ids
+    completion_BT: torch.Tensor  # completion token ids (right-padded)
+    completion_attention_BT: torch.Tensor  # 1 on real completion tokens
     mask_BT: torch.Tensor  # float, 1 where the loss applies
     old_logp_BT: torch.Tensor
     temperature_B: torch.Tensor
+    shared_prompt: list[int] | None = None  # set: the shared-prompt layout
+    input_ids_BL: torch.Tensor | None = None  # padded layout only
+    attention_mask_BL: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, samples: Sequence[Sample], pad_id: int, mask_truncated: bool) -> "TokenBatch":
-        p_max = max(len(s.prompt_ids) for s in samples)
-        t_max = max(len(s.completion_ids) for s in samples)
-        B = len(samples)
-        input_ids = torch.full((B, p_max + t_max), pad_id, dtype=torch.long)
-        attention = torch.zeros((B, p_max + t_max), dtype=torch.long)
+    def build(cls, samples: Sequence[Sample], pad_id: int, mask_truncated: bool, share_prompt: bool = True) -> "TokenBatch":
+        B, t_max = len(samples), max(len(s.completion_ids) for s in samples)
         completion = torch.full((B, t_max), pad_id, dtype=torch.long)
+        completion_attention = torch.zeros((B, t_max), dtype=torch.long)
         mask = torch.zeros((B, t_max))
         old_logp = torch.zeros((B, t_max))
         for i, s in enumerate(samples):
-            p, t = len(s.prompt_ids), len(s.completion_ids)
-            input_ids[i, p_max - p : p_max] = torch.tensor(s.prompt_ids)
-            input_ids[i, p_max : p_max + t] = torch.tensor(s.completion_ids)
-            attention[i, p_max - p : p_max + t] = 1
+            t = len(s.completion_ids)
             completion[i, :t] = torch.tensor(s.completion_ids)
+            completion_attention[i, :t] = 1
             if not (mask_truncated and s.truncated):
                 mask[i, :t] = torch.tensor(s.mask, dtype=torch.float32)
             old_logp[i, :t] = torch.tensor(s.logprobs, dtype=torch.float32)
         temperature = torch.tensor([s.temperature for s in samples], dtype=torch.float32)
-        return cls(input_ids, attention, completion, mask, old_logp, temperature)
+        batch = cls(completion, completion_attention, mask, old_logp, temperature)
+        if share_prompt and B > 1 and all(s.prompt_ids == samples[0].prompt_ids for s in samples):
+            batch.shared_prompt = list(samples[0].prompt_ids)
+            return batch
+        p_max = max(len(s.prompt_ids) for s in samples)
+        batch.input_ids_BL = torch.full((B, p_max + t_max), pad_id, dtype=torch.long)
+        batch.attention_mask_BL = torch.zeros((B, p_max + t_max), dtype=torch.long)
+        for i, s in enumerate(samples):
+            p = len(s.prompt_ids)
+            batch.input_ids_BL[i, p_max - p : p_max] = torch.tensor(s.prompt_ids)
+            batch.input_ids_BL[i, p_max:] = completion[i]
+            batch.attention_mask_BL[i, p_max - p : p_max] = 1
+            batch.attention_mask_BL[i, p_max:] = completion_attention[i]
+        return batch
+
+
+def plan_micro_batches(samples: Sequence[Sample], size: int) -> list[list[int]]:
+    """Indices per micro-batch: samples sharing a prompt together (their prompt runs once),
+    the rest length-sorted so padding wastes little."""
+    by_prompt: dict[tuple[int, ...], list[int]] = defaultdict(list)
+    for i, sample in enumerate(samples):
+        by_prompt[tuple(sample.prompt_ids)].append(i)
+    shared = [idx for idx in by_prompt.values() if len(idx) > 1]
+    singles = sorted((idx[0] for idx in by_prompt.values() if len(idx) == 1), key=lambda i: len(samples[i].prompt_ids) + len(samples[i].completion_ids))
+    plan = [idx[i : i + size] for idx in shared for i in range(0, len(idx), size)]
+    return plan + [singles[i : i + size] for i in range(0, len(singles), size)]
+
+
+def _model_logits(policy: Policy, batch: TokenBatch) -> torch.Tensor:
+    """Logits predicting each completion token. [B, T, V]"""
+    device = policy.device
+    T = batch.completion_BT.shape[1]
+    if batch.shared_prompt is None:
+        attention = batch.attention_mask_BL.to(device)
+        out = policy.model(
+            input_ids=batch.input_ids_BL.to(device),
+            attention_mask=attention,
+            position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
+            use_cache=False,
+            logits_to_keep=T + 1,  # the logit at position t predicts token t+1
+        )
+        return out.logits[:, :-1]
+    B, P = batch.completion_BT.shape[0], len(batch.shared_prompt)
+    prompt = policy.model(input_ids=torch.tensor([batch.shared_prompt], device=device), use_cache=True, logits_to_keep=1)
+    cache = prompt.past_key_values
+    for layer in cache.layers:  # one prompt KV for every row; gradients from all rows sum into it
+        layer.keys, layer.values = layer.keys.expand(B, -1, -1, -1), layer.values.expand(B, -1, -1, -1)
+    attention = torch.cat([torch.ones((B, P), dtype=torch.long), batch.completion_attention_BT], dim=1).to(device)
+    out = policy.model(
+        input_ids=batch.completion_BT.to(device),
+        attention_mask=attention,
+        position_ids=torch.arange(P, P + T, device=device).expand(B, -1),
+        past_key_values=cache,
+        use_cache=True,
+    )
+    first = prompt.logits[:, -1:].expand(B, -1, -1)  # the prompt's last logit predicts token 0
+    return torch.cat([first, out.logits[:, :-1]], dim=1)
 
 
 def completion_logprobs(policy: Policy, batch: TokenBatch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the completion tokens under the policy, at each sample's temperature. [B, T]"""
     device = policy.device
-    attention = batch.attention_mask_BL.to(device)
-    positions = (attention.cumsum(-1) - 1).clamp(min=0)
-    T = batch.completion_BT.shape[1]
-    out = policy.model(
-        input_ids=batch.input_ids_BL.to(device),
-        attention_mask=attention,
-        position_ids=positions,
-        use_cache=False,
-        logits_to_keep=T + 1,  # the logit at position t predicts token t+1
-    )
-    logits_BTV = out.logits[:, :-1].float() / batch.temperature_B.to(device)[:, None, None]
+    logits_BTV = _model_logits(policy, batch).float() / batch.temperature_B.to(device)[:, None, None]
     tokens_BT = batch.completion_BT.to(device)
     logp_BT = logits_BTV.gather(-1, tokens_BT[..., None])[..., 0] - torch.logsumexp(logits_BTV, dim=-1)
     entropy_BT = None
     if with_entropy:
         with torch.no_grad():
-            probs = torch.softmax(logits_BTV, dim=-1)
-            entropy_BT = -(probs * torch.log_softmax(logits_BTV, dim=-1)).sum(-1)
+            log_probs = torch.log_softmax(logits_BTV, dim=-1)
+            entropy_BT = -(log_probs.exp() * log_probs).sum(-1).cpu()
     return logp_BT.cpu() if device.type != "cpu" else logp_BT, entropy_BT
 
 
@@ -150,9 +197,7 @@ class GRPOUpdate:
         cfg = self.config
         policy = self.policy
         pad_id = policy.tokenizer.pad_token_id if policy.tokenizer.pad_token_id is not None else policy.eos_token_ids[0]
-        # Length-sorted micro-batches waste less compute on padding.
-        order = sorted(range(len(samples)), key=lambda i: len(samples[i].prompt_ids) + len(samples[i].completion_ids))
-        chunks = [order[i : i + cfg.micro_batch_size] for i in range(0, len(order), cfg.micro_batch_size)]
+        chunks = plan_micro_batches(samples, cfg.micro_batch_size)
         batches = [TokenBatch.build([samples[i] for i in chunk], pad_id, cfg.mask_truncated) for chunk in chunks]
         adv_chunks = [torch.tensor([advs[i] for i in chunk], dtype=torch.float32) for chunk in chunks]
         max_len = max(b.mask_BT.shape[1] for b in batches)

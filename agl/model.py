@@ -306,6 +306,26 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 where the hardware computes it natively (CUDA with bf16, or a CPU with
+    AVX512-BF16/AMX, where a bf16 forward+backward measured ~2x faster than fp32), else fp32."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise ConfigError(f"model.compute_dtype '{name}' is not valid; choose one of: auto, {', '.join(DTYPES)}")
+        return DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags.split() for flag in ("avx512_bf16", "amx_bf16"))
+
+
 def quantization_config(quantization: str, compute_dtype: torch.dtype, double_quant: bool = False) -> Any:
     from transformers import BitsAndBytesConfig
 
@@ -336,11 +356,9 @@ def _load_policy(cfg: Any, device: str) -> Policy:
     from peft import LoraConfig, PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if cfg.compute_dtype not in DTYPES:
-        raise ConfigError(f"model.compute_dtype '{cfg.compute_dtype}' is not valid; choose one of: {', '.join(DTYPES)}")
-    compute_dtype = DTYPES[cfg.compute_dtype]
-    quant = quantization_config(cfg.quantization, compute_dtype, cfg.get("double_quant", False))
     torch_device = resolve_device(device)
+    compute_dtype = resolve_compute_dtype(cfg.compute_dtype, torch_device)
+    quant = quantization_config(cfg.quantization, compute_dtype, cfg.get("double_quant", False))
     path = resolve_model_path(cfg.path, cfg.cache_dir, cfg.get("tiny"))
 
     try:
@@ -354,7 +372,10 @@ def _load_policy(cfg: Any, device: str) -> Policy:
         ) from error
     base = AutoModelForCausalLM.from_pretrained(
         path,
-        dtype=compute_dtype,
+        # With quantization, compute_dtype applies to the 4-bit matmuls only; the residual
+        # stream, norms and the (tied) vocabulary projection stay fp32, so logits and the
+        # recorded logprobs keep full precision.
+        dtype=torch.float32 if quant is not None else compute_dtype,
         quantization_config=quant,
         device_map={"": str(torch_device)},
     )
