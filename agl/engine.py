@@ -29,6 +29,7 @@ from typing import AsyncIterator
 import torch
 from transformers import DynamicCache
 
+from agl.kv_cache import append_in_place_cache
 from agl.model import Policy
 
 GREEDY = 0.0
@@ -342,7 +343,7 @@ class Engine:
             ids[row, width - len(prompt):] = torch.tensor(prompt)
             mask[row, width - len(prompt):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = DynamicCache()
+        cache = append_in_place_cache()
         logits = self._forward(ids, mask, positions, cache)
         rows = torch.tensor([unique[tuple(s.prompt_ids)] for s in seqs])
         self.stats["prefill_tokens"] += sum(len(p) for p in prompts)
