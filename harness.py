@@ -1,7 +1,8 @@
 """agl's one entry point: `python harness.py task=gsm8k algo=grpo` (Hydra composes conf/).
 
 Hydra owns config composition, overrides, sweeps (-m) and run dirs; agl.jobs owns the work.
-Resume a run in place with `python harness.py resume=<run dir>`.
+Resume a run in place with `python harness.py resume=<run dir>`; summarize one (or a sweep)
+with `python harness.py report=<dir>`. Sweeps: `python harness.py -m algo.lr=1e-5,3e-5 ...`.
 """
 import sys
 
@@ -9,10 +10,16 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from agl.errors import ConfigError
+from agl.sweep import job_dir_name, sweep_id
 
-# A resumed run writes into its own dir, and keeps the .hydra/ config it was started with.
-OmegaConf.register_new_resolver("agl_run_dir", lambda resume, fresh: resume or fresh)
-OmegaConf.register_new_resolver("agl_output_subdir", lambda resume: None if resume else ".hydra")
+# A resumed run writes into its own dir, and keeps the .hydra/ config it was started with;
+# a report writes no config at all.
+OmegaConf.register_new_resolver("agl_run_dir", lambda resume, report, fresh: resume or report or fresh)
+OmegaConf.register_new_resolver("agl_output_subdir", lambda resume, report: None if (resume or report) else ".hydra")
+# Sweeps: the same command line gives the same sweep dir (cached: every job sees the launcher's
+# value) and the same job subdirs, so re-running it skips finished jobs and resumes the rest.
+OmegaConf.register_new_resolver("agl_sweep_id", lambda: sweep_id(), use_cache=True)
+OmegaConf.register_new_resolver("agl_job_dir", job_dir_name)
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")

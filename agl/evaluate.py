@@ -2,9 +2,14 @@
 
 Every rollout's final reward and its ``emit_metric`` values are averaged; ``pass@k`` is
 reported when each task is tried k times (a task passes when any try scores >= threshold).
+
+``evaluate(rt, rows, ...)`` is the one evaluation used by every algorithm: GRPO's and SFT's
+periodic evals, ``algo=eval`` and (through ``evaluate_rows``) ``algo=prompt_search``.
 """
 from __future__ import annotations
 
+import math
+import random
 from collections import defaultdict
 from typing import Any, Sequence
 
@@ -48,3 +53,105 @@ def summarize(rows: Sequence[dict], k: int = 1, pass_threshold: float = 1.0) -> 
             by_task[r["task_id"]].append(r.get("reward", 0.0))
         summary[f"pass@{k}"] = sum(any(x >= pass_threshold for x in v) for v in by_task.values()) / len(by_task)
     return summary
+
+
+# ----------------------------------------------------------------------------- running an evaluation
+
+
+def _matches(metadata: dict | None, tag: dict) -> bool:
+    metadata = metadata or {}
+    return all(metadata.get(key) == value for key, value in tag.items())
+
+
+async def evaluate_rows(
+    rt: Any,
+    rows: Sequence[dict],
+    *,
+    resources: dict,
+    sampling: dict,
+    k: int = 1,
+    tag: dict,
+    mode: str = "val",
+    desc: str = "eval",
+) -> list[dict]:
+    """Run every task ``k`` times through the runners and the route; one score row per rollout.
+
+    ``rt`` is an ``agl.runtime.Runtime``. ``tag`` (e.g. ``{"eval_step": 3}``) goes into every
+    rollout's metadata and names this evaluation in the store: when rollouts with that tag
+    already exist (a resumed run), they are reused instead of enqueued again.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    resources_id = await rt.resources_id(resources)
+    inputs, metadata = [], []
+    for row in rows:
+        for attempt in range(k):
+            inputs.append(row)
+            metadata.append({**tag, "task_id": row.get("id"), "try": attempt, "sampling": dict(sampling)})
+    existing = [r for r in await rt.store.query_rollouts(status=None) if _matches(r.metadata, tag)]
+    if len(existing) != len(inputs):
+        existing = []  # nothing (or something else) under this tag: enqueue afresh
+    rollouts = await rt.run_rollouts(inputs, metadata, mode=mode, resources_id=resources_id, existing=existing, desc=desc)
+    return await rollout_scores(rt.store, rollouts)
+
+
+async def evaluate(
+    rt: Any,
+    rows: Sequence[dict],
+    *,
+    resources: dict,
+    sampling: dict,
+    k: int = 1,
+    tag: dict,
+    pass_threshold: float = 1.0,
+    desc: str = "eval",
+) -> dict[str, float]:
+    """``summarize(evaluate_rows(...))``: the means (and pass@k) of one evaluation."""
+    scores = await evaluate_rows(rt, rows, resources=resources, sampling=sampling, k=k, tag=tag, desc=desc)
+    return summarize(scores, k=k, pass_threshold=pass_threshold)
+
+
+# ----------------------------------------------------------------------------- statistics and tables
+
+
+def mean_ci(values: Sequence[float], z: float = 1.96) -> tuple[float, float, float]:
+    """(mean, low, high): the normal-approximation 95% interval mean +- z * s / sqrt(n).
+
+    ``s`` is the sample standard deviation (n - 1). With n < 2 the interval is the mean itself.
+    """
+    n = len(values)
+    if n == 0:
+        return float("nan"), float("nan"), float("nan")
+    mean = sum(values) / n
+    if n < 2:
+        return mean, mean, mean
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    half = z * math.sqrt(var / n)
+    return mean, mean - half, mean + half
+
+
+def bootstrap_ci(values: Sequence[float], resamples: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean: resample the values with replacement."""
+    n = len(values)
+    if n == 0:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(values, k=n)) / n for _ in range(resamples))
+    tail = (1 - level) / 2
+    return means[int(tail * (resamples - 1))], means[int(round((1 - tail) * (resamples - 1)))]
+
+
+def fmt(value: Any, digits: int = 4) -> str:
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "nan"
+        return f"{value:.{digits}g}" if abs(value) >= 1e4 or (value and abs(value) < 1e-3) else f"{value:.{digits}f}".rstrip("0").rstrip(".") or "0"
+    return "" if value is None else str(value)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A GitHub markdown table; floats shortened by ``fmt``."""
+    cells = [[fmt(v) for v in row] for row in rows]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+    line = lambda values: "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"  # noqa: E731
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(line(r) for r in cells)])

@@ -1,16 +1,31 @@
-"""Dispatch a composed config to the job its `algo.name` names."""
+"""Dispatch a composed config to the job its `algo.name` names.
+
+``run_job`` also owns what every job shares: ``report=`` (no model, dispatched first),
+``resume=``, and the run dir's ``status.json`` (running / succeeded / failed). A run dir
+whose status is ``succeeded`` is skipped; any other existing run dir is resumed from its
+store. In a sweep (Hydra multirun) a failing job is recorded as failed, its traceback
+written to ``error.log``, and the sweep goes on.
+"""
 from __future__ import annotations
 
 import asyncio
+import gc
+import hashlib
+import json
 import logging
+import os
 import resource
+import time
+import traceback
 from pathlib import Path
 
 import psutil
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from agl.errors import ConfigError
+from agl.sweep import read_status, write_status
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +64,27 @@ def grpo(cfg: DictConfig, run_dir: Path) -> dict:
     return result
 
 
-JOBS = {"info": info, "grpo": grpo}
+def eval_job(cfg: DictConfig, run_dir: Path) -> dict:
+    from agl.eval_job import run_eval
+
+    return asyncio.run(run_eval(cfg, run_dir))
+
+
+def prompt_search(cfg: DictConfig, run_dir: Path) -> dict:
+    from agl.prompt_search import run_prompt_search
+
+    return asyncio.run(run_prompt_search(cfg, run_dir))
+
+
+def sft(cfg: DictConfig, run_dir: Path) -> dict:
+    from agl.sft import train_sft
+
+    result = asyncio.run(train_sft(cfg, run_dir))
+    print(f"run dir: {run_dir}\nadapter: {result['adapter']}\nnext:    python harness.py algo=grpo model.adapter={run_dir} ...")
+    return result
+
+
+JOBS = {"info": info, "grpo": grpo, "eval": eval_job, "prompt_search": prompt_search, "sft": sft}
 
 
 def resumed_config(cfg: DictConfig) -> DictConfig:
@@ -69,9 +104,25 @@ QUIET_LOGGERS = ("httpx", "httpx2", "httpcore", "openai")
 logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
+def in_multirun() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def config_hash(cfg: DictConfig) -> str:
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    for key in ("resume", "report", "progress", "device"):
+        plain.pop(key, None)
+    return hashlib.sha1(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
 def run_job(cfg: DictConfig) -> object:
     for name in QUIET_LOGGERS:  # one line per agent HTTP call would drown the progress bars
         logging.getLogger(name).setLevel(logging.WARNING)
+    if cfg.get("report"):  # reads files only: no model, no status
+        from agl.report import report
+
+        return report(cfg.report)
+    multirun = in_multirun()
     if cfg.get("resume"):
         cfg = resumed_config(cfg)
         run_dir = Path(cfg.resume)
@@ -80,4 +131,37 @@ def run_job(cfg: DictConfig) -> object:
     name = cfg.algo.name
     if name not in JOBS:
         raise ConfigError(f"algo '{name}' has no job; known: {', '.join(sorted(JOBS))}")
-    return JOBS[name](cfg, run_dir)
+    if name == "info":  # a smoke test: nothing to record or resume
+        return JOBS[name](cfg, run_dir)
+
+    previous = read_status(run_dir)
+    digest = config_hash(cfg)
+    if previous and previous.get("config_hash") not in (None, digest):
+        log.warning("%s was started with a different config (changed conf/ files?); continuing with the new one", run_dir)
+    if previous and previous.get("status") == "succeeded":
+        print(f"skip: {run_dir} already finished (its {run_dir / 'status.json'} says succeeded; delete it to run again)")
+        return previous.get("result")
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    if previous:
+        print(f"continuing {run_dir} (status was {previous.get('status')}) from its store")
+    started = time.time()
+    write_status(
+        run_dir, "running", algo=name, task=cfg.task.name, pid=os.getpid(), host=os.uname().nodename, started=started,
+        ended=None, duration_s=None, error=None, config_hash=digest, **({"overrides": overrides} if overrides and not cfg.get("resume") else {}),
+    )
+    try:
+        result = JOBS[name](cfg, run_dir)
+    except (Exception, SystemExit) as error:
+        trace = traceback.format_exc()
+        (run_dir / "error.log").write_text(trace)
+        message = f"{type(error).__name__}: {error}"
+        write_status(run_dir, "failed", error=message, ended=time.time(), duration_s=time.time() - started)
+        if not multirun:
+            raise
+        log.error("job failed, the sweep goes on: %s (traceback in %s)", message, run_dir / "error.log")
+        return None
+    finally:
+        if multirun:
+            gc.collect()  # the next job loads its own policy
+    write_status(run_dir, "succeeded", result=result, ended=time.time(), duration_s=time.time() - started)
+    return result

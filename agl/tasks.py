@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -25,6 +28,7 @@ class Task:
     load: Callable[[str], list[dict]]
     resources: dict
     prompts: dict[str, str]
+    demonstrations: Callable[..., list[list[dict]]] | None = None
 
     def resources_for(self, prompt: str) -> dict:
         if prompt not in self.prompts:
@@ -37,6 +41,9 @@ def import_object(spec: str) -> Any:
     module_name, _, attribute = spec.partition(":")
     if not attribute:
         raise ConfigError(f"'{spec}' should look like 'package.module:function'")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:  # a user's own agent next to where they run
+        sys.path.append(cwd)
     try:
         return getattr(importlib.import_module(module_name), attribute)
     except (ImportError, AttributeError) as error:
@@ -59,7 +66,36 @@ def jsonl_loader(data: Any) -> Callable[[str], list[dict]]:
     return load
 
 
+def call_with_accepted(fn: Callable, *args: Any, **kwargs: Any) -> Any:
+    """Call ``fn`` with the keyword arguments its signature accepts (all of them if it has **kwargs)."""
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        kwargs = {k: v for k, v in kwargs.items() if k in params}
+    return fn(*args, **kwargs)
+
+
+def demonstrations_loader(spec: Any) -> Callable[..., list[list[dict]]] | None:
+    """``task.demonstrations`` -> ``load(split, prompt_template=..., **resources)``, or None."""
+    if not spec:
+        return None
+    if str(spec).endswith(".jsonl"):
+        path = Path(str(spec))
+
+        def load(split: str, **_: Any) -> list[list[dict]]:
+            if not path.is_file():
+                raise ConfigError(f"task.demonstrations file '{path}' does not exist")
+            with open(path) as f:
+                return [json.loads(line)["messages"] for line in f if line.strip()]
+
+        return load
+    fn = import_object(str(spec))
+    return lambda split, **kwargs: call_with_accepted(fn, split, **kwargs)
+
+
 def load_task(cfg: DictConfig) -> Task:
+    for key in ("agent", "data"):
+        if OmegaConf.is_missing(cfg, key):
+            raise ConfigError(f"task.{key} is required for task '{cfg.name}': e.g. task.agent=my_module:my_agent task.data=my_data.jsonl")
     data = OmegaConf.to_container(cfg.data, resolve=True) if isinstance(cfg.data, DictConfig) else cfg.data
     if isinstance(data, dict) or str(data).endswith(".jsonl"):
         load = jsonl_loader(data)
@@ -69,6 +105,7 @@ def load_task(cfg: DictConfig) -> Task:
         name=cfg.name,
         agent=import_object(cfg.agent),
         load=load,
-        resources=OmegaConf.to_container(cfg.get("resources") or {}, resolve=True),
-        prompts=OmegaConf.to_container(cfg.get("prompts") or {"default": "{question}"}, resolve=True),
+        resources=OmegaConf.to_container(cfg.resources, resolve=True) if cfg.get("resources") else {},
+        prompts=OmegaConf.to_container(cfg.prompts, resolve=True) if cfg.get("prompts") else {"default": "{question}"},
+        demonstrations=demonstrations_loader(cfg.get("demonstrations")),
     )

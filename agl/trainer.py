@@ -31,7 +31,7 @@ from safetensors.torch import save as save_safetensors
 from tqdm.auto import tqdm
 
 from agl.adapter import spans_to_samples
-from agl.evaluate import rollout_scores, summarize
+from agl.evaluate import evaluate
 from agl.grpo import GRPOConfig, GRPOUpdate, advantages
 from agl.plots import draw_run_plots
 from agl.runtime import Runtime, succeeded
@@ -209,12 +209,11 @@ class GRPOTrainer:
 
     async def evaluate(self, step: int) -> dict:
         rt = self.rt
-        resources_id = await rt.resources_id(rt.task.resources_for(self.cfg.task.prompt))
         sampling = {"temperature": 0.0, "max_tokens": self.algo.max_tokens}
-        metadata = [{"eval_step": step, "task_id": row.get("id"), "sampling": sampling} for row in self.eval_rows]
-        existing = [r for r in await rt.store.query_rollouts(status=None) if (r.metadata or {}).get("eval_step") == step]
-        rollouts = await rt.run_rollouts(self.eval_rows, metadata, mode="val", resources_id=resources_id, existing=existing, desc=f"eval@{step}")
-        summary = summarize(await rollout_scores(rt.store, rollouts))
+        summary = await evaluate(
+            rt, self.eval_rows, resources=rt.task.resources_for(self.cfg.task.prompt), sampling=sampling,
+            tag={"eval_step": step}, desc=f"eval@{step}",
+        )
         if step == 0:  # the baseline, before any update: logged as step -1
             baseline = {"policy_version": rt.policy.version, **{f"eval/{k}": v for k, v in summary.items()}}
             await rt.store.log_metrics(-1, baseline)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import openai
 
 import agl
-from tasks.gsm8k.data import load_split
+from tasks.gsm8k.data import load_split, solution_text
 from tasks.gsm8k.scoring import reward, score
 
 
@@ -25,3 +25,12 @@ def gsm8k_agent(task: dict, llm: agl.LLM, prompt_template: str, format_bonus: fl
 
 def load(split: str) -> list[dict]:
     return load_split(split)
+
+
+def demonstrations(split: str, prompt_template: str = "{question}") -> list[list[dict]]:
+    """SFT conversations: the task's prompt as the user turn, the gold solution (ending in
+    ``#### N``, calculator annotations stripped) as the assistant turn."""
+    return [
+        [{"role": "user", "content": prompt_template.format(question=row["question"])}, {"role": "assistant", "content": solution_text(row)}]
+        for row in load_split(split)
+    ]

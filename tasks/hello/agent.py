@@ -38,3 +38,22 @@ def load(split: str) -> list[dict]:
     """The questions, repeated: train cycles through them, eval asks each once."""
     rows = [{"id": f"{split}-{i}", "question": q} for i, q in enumerate(QUESTIONS)]
     return rows * 8 if split == "train" else rows
+
+
+INTRODUCTIONS = [
+    "I am {identity}, an AI assistant.",
+    "My name is {identity}.",
+    "Hi! I'm {identity}, here to help.",
+    "You can call me {identity}.",
+]
+
+
+def demonstrations(split: str, prompt_template: str = "{question}", identity: str = "Lightning") -> list[list[dict]]:
+    """SFT conversations: each question answered with a short self-introduction as ``identity``."""
+    return [
+        [
+            {"role": "user", "content": prompt_template.format(question=row["question"])},
+            {"role": "assistant", "content": INTRODUCTIONS[i % len(INTRODUCTIONS)].format(identity=identity)},
+        ]
+        for i, row in enumerate(load(split))
+    ]

@@ -1,0 +1,90 @@
+"""``algo=eval``: score a policy on a split, with no training.
+
+The policy is the base model, or an adapter an earlier run produced
+(``model.adapter=<run dir or adapter dir>``, see ``agl.model.find_adapter_dir``). Greedy by
+default; with ``algo.k > 1`` (and ``algo.temperature > 0``) every task is tried k times and
+pass@k is reported. The table is printed and written to ``eval.md`` and ``eval.json`` in the
+run dir; the rollouts are in the run's store like any other run's, so a killed eval resumes.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from agl.errors import ConfigError
+from agl.evaluate import evaluate_rows, markdown_table, summarize
+from agl.runtime import Runtime
+
+log = logging.getLogger(__name__)
+
+
+def split_rows(rows: list[dict], size: int | None, distinct: bool = False) -> list[dict]:
+    """The first ``size`` rows (all when size is 0/None); ``distinct`` drops rows whose id repeats."""
+    if distinct:
+        seen, unique = set(), []
+        for row in rows:
+            key = row.get("id", id(row))
+            if key not in seen:
+                seen.add(key)
+                unique.append(row)
+        rows = unique
+    return rows[:size] if size else rows
+
+
+def sampling_of(algo: DictConfig) -> dict:
+    sampling = {"temperature": float(algo.temperature), "max_tokens": int(algo.max_tokens)}
+    if algo.temperature > 0 and algo.get("top_p", 1.0) != 1.0:
+        sampling["top_p"] = float(algo.top_p)
+    return sampling
+
+
+def adapter_label(cfg: DictConfig) -> str:
+    if not cfg.model.get("adapter"):
+        return "none (base model)"
+    from agl.model import find_adapter_dir
+
+    return str(find_adapter_dir(cfg.model.adapter))
+
+
+async def run_eval(cfg: DictConfig, run_dir: Path) -> dict:
+    algo = cfg.algo
+    if algo.k < 1:
+        raise ConfigError(f"algo.k must be >= 1, got {algo.k}")
+    if algo.k > 1 and algo.temperature == 0:
+        log.warning("algo.k=%d with algo.temperature=0: greedy tries are identical, so pass@k = pass@1", algo.k)
+    adapter = adapter_label(cfg)
+    async with Runtime(cfg, run_dir) as rt:
+        rows = split_rows(rt.task.load(algo.split), algo.size)
+        if not rows:
+            raise ConfigError(f"split '{algo.split}' of task '{cfg.task.name}' has no rows")
+        await rt.store.set_run_info("config", OmegaConf.to_container(cfg, resolve=True))
+        scores = await evaluate_rows(
+            rt, rows, resources=rt.task.resources_for(algo.prompt), sampling=sampling_of(algo), k=algo.k,
+            tag={"eval": "eval"}, desc=f"eval {algo.split}",
+        )
+        summary = summarize(scores, k=algo.k, pass_threshold=algo.pass_threshold)
+        await rt.store.log_metrics(0, {f"eval/{k}": v for k, v in summary.items()})
+    result = {
+        "task": cfg.task.name, "model": cfg.model.name, "adapter": adapter, "split": algo.split, "tasks": len(rows),
+        "k": algo.k, "prompt": algo.prompt, "sampling": sampling_of(algo), "summary": summary,
+        "metrics": {f"eval/{k}": v for k, v in summary.items()},
+    }
+    text = eval_markdown(result)
+    (run_dir / "eval.md").write_text(text + "\n")
+    (run_dir / "eval.json").write_text(json.dumps({**result, "rollouts": scores}, indent=1, default=str) + "\n")
+    print(text)
+    print(f"\nwritten: {run_dir / 'eval.md'}, {run_dir / 'eval.json'}")
+    return result
+
+
+def eval_markdown(result: dict) -> str:
+    s = result["sampling"]
+    header = (
+        f"# eval: {result['task']} / {result['split']} ({result['tasks']} tasks x {result['k']})\n\n"
+        f"model {result['model']}, adapter {result['adapter']}, prompt `{result['prompt']}`, "
+        f"temperature {s['temperature']}, max_tokens {s['max_tokens']}\n"
+    )
+    return header + "\n" + markdown_table(["metric", "value"], list(result["summary"].items()))

@@ -1,0 +1,184 @@
+"""``python harness.py report=<run dir or sweep dir>``: what happened in a run, from its files alone.
+
+A run dir's ``store.sqlite`` is opened read-only (``SqliteStore.open_readonly``, safe next to
+a live run) and its ``metrics.jsonl`` read; no model is loaded. Printed (and written to
+``report.md``): the run summary, the best step, reward and accuracy by step, the slowest
+rollouts, failure counts by error; ``curves.png`` is redrawn. A sweep dir gets the sweep
+summary instead (``agl.sweep.write_sweep_summary``).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from agl.errors import ConfigError
+from agl.evaluate import fmt, markdown_table
+from agl.plots import draw_panels, read_metrics
+from agl.sweep import effective_status, is_sweep_dir, read_status, write_sweep_summary
+
+SLOWEST = 5
+ACCURACY_HINTS = ("correct", "accuracy", "says_", "pass@", "format")
+
+
+def report(target: str | Path) -> dict:
+    path = Path(str(target)).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"report='{target}' is not a directory")
+    if (path / "store.sqlite").is_file():
+        return report_run(path)
+    if is_sweep_dir(path):
+        return write_sweep_summary(path)
+    raise ConfigError(f"report='{target}' is neither a run dir (no store.sqlite) nor a sweep dir (no job dirs)")
+
+
+def report_run(run_dir: Path, echo: bool = True) -> dict:
+    data = asyncio.run(_read_store(run_dir / "store.sqlite"))
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    if not rows and data["metrics"]:  # no metrics.jsonl (e.g. deleted): the store has them too
+        rows = [{"step": step, **values} for step, values in sorted(data["metrics"].items())]
+    sections = [
+        ("run", _run_section(run_dir, data, rows)),
+        ("best step", _best_section(rows)),
+        ("reward and accuracy by step", _by_step_section(rows, data["step_summary"])),
+        (f"slowest rollouts (top {SLOWEST})", _slowest_section(data["slowest"])),
+        ("failures by error", _failures_section(data["failures"])),
+    ]
+    plot = run_dir / "curves.png"
+    if rows:
+        draw_panels({"run": rows}, plot)
+    text = "\n\n".join(f"## {title}\n\n{body}" for title, body in sections)
+    text = f"# report: {run_dir}\n\n{text}\n\nplots: {plot if plot.exists() else '(no metrics to plot)'}\n"
+    (run_dir / "report.md").write_text(text)
+    if echo:
+        print(text)
+    return {"run_dir": str(run_dir), "sections": [t for t, _ in sections], "data": {k: v for k, v in data.items() if k != "metrics"}}
+
+
+async def _read_store(path: Path) -> dict:
+    from agl.store import SqliteStore
+
+    store = SqliteStore.open_readonly(path)
+    try:
+        def read(conn: Any) -> dict:
+            q = lambda sql: [tuple(r) for r in conn.execute(sql).fetchall()]  # noqa: E731
+            return {
+                "rollouts_by_status": q("SELECT status, count(*) FROM rollouts GROUP BY status ORDER BY count(*) DESC"),
+                "rollouts_by_mode": q("SELECT coalesce(mode, '-'), count(*) FROM rollouts GROUP BY mode ORDER BY mode"),
+                "attempts": q("SELECT count(*), sum(sequence_id > 1) FROM attempts")[0],
+                "llm_calls": q("SELECT count(*), coalesce(sum(response_tokens), 0), avg(latency) FROM llm_calls")[0],
+                "time_span": q("SELECT min(start_time), max(end_time) FROM rollouts")[0],
+                "step_summary": q("SELECT step, rollouts, succeeded, failed, unfinished, retried FROM step_summary ORDER BY step"),
+                "slowest": q(
+                    "SELECT d.rollout_id, r.mode, r.step, d.sequence_id, d.status, d.duration, d.spans, rr.reward "
+                    "FROM attempt_durations d JOIN rollouts r ON r.rollout_id = d.rollout_id "
+                    "LEFT JOIN rollout_rewards rr ON rr.rollout_id = d.rollout_id "
+                    f"WHERE d.duration IS NOT NULL ORDER BY d.duration DESC LIMIT {SLOWEST}"
+                ),
+                "failures": q(
+                    "SELECT status, coalesce(json_extract(metadata, '$.error'), '(no error recorded)') AS error, count(*) "
+                    "FROM attempts WHERE status NOT IN ('succeeded', 'preparing', 'running') "
+                    "GROUP BY status, error ORDER BY count(*) DESC"
+                ),
+            }
+
+        data = await store._read(read)  # one consistent snapshot of the views
+        data["checkpoints"] = [(c.step, c.policy_version) for c in await store.list_checkpoints()]
+        data["metrics"] = await store.query_metrics()
+        data["config"] = await store.get_run_info("config")
+        return data
+    finally:
+        await store.close()
+
+
+def _run_section(run_dir: Path, data: dict, rows: list[dict]) -> str:
+    config = data.get("config") or {}
+    if not config and (run_dir / ".hydra" / "config.yaml").is_file():
+        from omegaconf import OmegaConf
+
+        config = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml"))
+    status = read_status(run_dir)
+    algo, task, model = config.get("algo") or {}, config.get("task") or {}, config.get("model") or {}
+    checkpoints = data["checkpoints"]
+    calls, tokens, latency = data["llm_calls"]
+    start, end = data["time_span"]
+    items = [
+        ("status", effective_status(status) + (f" ({status['error']})" if status and status.get("error") else "") if status else "(no status.json)"),
+        ("algo", algo.get("name")),
+        ("task", f"{task.get('name')} (prompt {task.get('prompt')})" if task else None),
+        ("model", f"{model.get('name')}" + (f", adapter {model['adapter']}" if model.get("adapter") else "")),
+        ("steps", f"{checkpoints[-1][0] + 1} of {algo.get('steps')} done, policy version {checkpoints[-1][1]}" if checkpoints else "no checkpoint"),
+        ("rollouts", ", ".join(f"{n} {s}" for s, n in data["rollouts_by_status"]) or "none"),
+        ("by mode", ", ".join(f"{n} {m}" for m, n in data["rollouts_by_mode"]) or "none"),
+        ("attempts", f"{data['attempts'][0]} ({data['attempts'][1] or 0} retries)"),
+        ("llm calls", f"{calls} calls, {tokens} tokens" + (f", {latency:.3f} s mean latency" if latency else "")),
+        ("wall time", f"{end - start:.1f} s of rollouts" if start and end else None),
+    ]
+    result = (status or {}).get("result") or {}
+    if "summary" in result:
+        items.append(("eval", ", ".join(f"{k} {fmt(v)}" for k, v in result["summary"].items())))
+    if "best" in result:
+        items.append(("best prompt", f"{result['best']} ({fmt(result['ranking'][0]['mean'])})"))
+    return markdown_table(["", ""], [(k, v) for k, v in items if v is not None])
+
+
+def _metric_key(rows: list[dict]) -> str | None:
+    for key in ("eval/reward", "reward_mean", "loss"):
+        if any(isinstance(r.get(key), (int, float)) for r in rows):
+            return key
+    return None
+
+
+def _best_section(rows: list[dict]) -> str:
+    key = _metric_key(rows)
+    if key is None:
+        return "(no metrics)"
+    points = [r for r in rows if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
+    pick = min if key == "loss" else max
+    best = pick(points, key=lambda r: r[key])
+    extra = ", ".join(f"{k} {fmt(best[k])}" for k in ("reward_mean", "eval/reward", "loss") if k in best and k != key)
+    return f"step {best['step']}: {key} {fmt(best[key])}" + (f" ({extra})" if extra else "") + (" [step -1 = before training]" if best["step"] == -1 else "")
+
+
+def _by_step_section(rows: list[dict], step_summary: list[tuple]) -> str:
+    if not rows:
+        return "(no metrics)"
+    keys = [k for k in ("reward_mean", "rollouts_failed", "loss", "eval/reward") if any(k in r for r in rows)]
+    keys += sorted({k for r in rows for k in r if k.startswith("eval/") and any(h in k for h in ACCURACY_HINTS)})
+    failed = {s: f for s, _, _, f, _, _ in step_summary}
+    table = [[r["step"], *[r.get(k) for k in keys]] for r in rows]
+    if failed and "rollouts_failed" not in keys:
+        keys.append("failed (store)")
+        table = [row + [failed.get(row[0])] for row in table]
+    return markdown_table(["step", *keys], table)
+
+
+def _slowest_section(slowest: list[tuple]) -> str:
+    if not slowest:
+        return "(no finished attempts)"
+    rows = [[rid, mode, step, attempt, status, duration, spans, reward] for rid, mode, step, attempt, status, duration, spans, reward in slowest]
+    return markdown_table(["rollout", "mode", "step", "attempt", "status", "seconds", "spans", "reward"], rows)
+
+
+def _failures_section(failures: list[tuple]) -> str:
+    if not failures:
+        return "no failed attempts"
+    merged: dict[tuple[str, str], int] = {}
+    for status, error, n in failures:  # errors that differ only after their first line count together
+        key = (status, _first_line(error))
+        merged[key] = merged.get(key, 0) + n
+    rows = sorted(([s, e, n] for (s, e), n in merged.items()), key=lambda r: -r[2])
+    return markdown_table(["status", "error", "attempts"], rows)
+
+
+def _first_line(text: str, limit: int = 120) -> str:
+    line = str(text).strip().splitlines()[0] if str(text).strip() else str(text)
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+if __name__ == "__main__":  # python -m agl.report <dir>
+    import sys
+
+    report(sys.argv[1])

@@ -1,0 +1,217 @@
+"""``algo=sft``: supervised fine-tuning of the LoRA on the task's demonstrations.
+
+Each demonstration is a conversation (``list[message]``) from ``task.demonstrations``. It is
+rendered through the model's chat template (``policy.render_chat``, as the route renders an
+agent's calls), and the loss is the mean negative log-likelihood of the assistant tokens
+only: every assistant turn's content and its end-of-turn token; the system/user turns and
+the template's headers are masked out.
+
+The loop mirrors GRPO's: a seeded resumable cursor over the demonstrations, micro-batched
+forward/backward with the engine paused, AdamW, a checkpoint in the store after every step
+(adapter, optimizer, cursor, RNG; the trainer's helpers), ``metrics.jsonl`` and ``curves.png``,
+optional greedy evals through the route (before the first step, every ``eval_every`` steps
+and after the last), and the final LoRA in ``<run dir>/adapter`` — which a later run picks up
+with ``model.adapter=<run dir>`` (SFT, then GRPO).
+"""
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import math
+import pickle
+import random
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from tqdm.auto import tqdm
+
+from agl.errors import ConfigError
+from agl.evaluate import evaluate
+from agl.plots import draw_run_plots
+from agl.runtime import Runtime
+from agl.trainer import TaskCursor, adapter_bytes, load_adapter_bytes, torch_bytes
+
+
+def render_demonstration(policy: Any, messages: Sequence[dict], max_length: int | None = None) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of one conversation: mask 1 on assistant content + end-of-turn.
+
+    Assistant turn i spans from the end of ``render(messages[:i], add_generation_prompt=True)``
+    to the end of ``render(messages[:i+1])``; the mask stops at the first end-of-turn (eos)
+    token in that span, so what the template appends after it (e.g. a newline) is not learned.
+    """
+    messages = list(messages)
+    if not any(m.get("role") == "assistant" for m in messages):
+        raise ConfigError("a demonstration has no assistant turn to learn from")
+    ids = policy.render_chat(messages, add_generation_prompt=False)
+    mask = [0] * len(ids)
+    eos = set(policy.eos_token_ids)
+    for i, message in enumerate(messages):
+        if message.get("role") != "assistant":
+            continue
+        prefix = policy.render_chat(messages[:i], add_generation_prompt=True)
+        turn = policy.render_chat(messages[: i + 1], add_generation_prompt=False)
+        if ids[: len(prefix)] != prefix or ids[: len(turn)] != turn:
+            raise ConfigError("the chat template does not render a conversation's prefixes as prefixes; SFT masking needs that")
+        for t in range(len(prefix), len(turn)):
+            mask[t] = 1
+            if ids[t] in eos:
+                break
+    if max_length:
+        ids, mask = ids[:max_length], mask[:max_length]
+    return ids, mask
+
+
+def sft_loss_and_backward(policy: Any, examples: Sequence[tuple[list[int], list[int]]], micro_batch_size: int) -> dict:
+    """Accumulate gradients of the token-mean NLL over all ``examples`` (one optimizer step)."""
+    pad_id = policy.tokenizer.pad_token_id if policy.tokenizer.pad_token_id is not None else policy.eos_token_ids[0]
+    total_tokens = sum(sum(mask) for _, mask in examples)
+    if total_tokens == 0:
+        return {"loss": float("nan"), "train_tokens": 0}
+    loss_sum = 0.0
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))  # less padding per micro-batch
+    for start in range(0, len(order), micro_batch_size):
+        chunk = [examples[i] for i in order[start : start + micro_batch_size]]
+        length = max(len(ids) for ids, _ in chunk)
+        input_ids = torch.full((len(chunk), length), pad_id, dtype=torch.long)
+        attention = torch.zeros((len(chunk), length), dtype=torch.long)
+        labels = torch.full((len(chunk), length), -100, dtype=torch.long)
+        for row, (ids, mask) in enumerate(chunk):  # right padding: positions start at 0 for every row
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            attention[row, : len(ids)] = 1
+            labels[row, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), torch.tensor(-100))
+        device = policy.device
+        logits = policy.model(input_ids=input_ids.to(device), attention_mask=attention.to(device), use_cache=False).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+        target = labels[:, 1:].to(device)
+        valid = target != -100
+        nll = -logp.gather(-1, target.clamp(min=0)[..., None])[..., 0]
+        loss = (nll * valid).sum() / total_tokens
+        loss.backward()
+        loss_sum += float(loss.detach())
+    return {"loss": loss_sum, "train_tokens": total_tokens}
+
+
+class SFTTrainer:
+    def __init__(self, rt: Runtime, cfg: DictConfig):
+        self.rt, self.cfg, self.algo = rt, cfg, cfg.algo
+        self.run_dir = rt.run_dir
+        if rt.task.demonstrations is None:
+            raise ConfigError(f"task '{cfg.task.name}' has no demonstrations (task.demonstrations) for algo=sft")
+        template = rt.task.resources_for(cfg.task.prompt)["prompt_template"]
+        self.demos = rt.task.demonstrations(self.algo.split, prompt_template=template, **rt.task.resources)
+        if not self.demos:
+            raise ConfigError(f"task '{cfg.task.name}' has no demonstrations for split '{self.algo.split}'")
+        self.steps = self.algo.steps
+        if self.algo.get("epochs"):
+            self.steps = math.ceil(self.algo.epochs * len(self.demos) / self.algo.batch_size)
+        eval_rows = rt.task.load(cfg.task.eval_split) if self.algo.get("eval", True) else []
+        self.eval_rows = eval_rows[: cfg.task.eval_size] if cfg.task.eval_size else eval_rows
+        self.cursor = TaskCursor(len(self.demos), cfg.seed)
+        self.optimizer = torch.optim.AdamW(rt.policy.trainable_parameters(), lr=self.algo.lr, weight_decay=self.algo.weight_decay)
+        self.step = 0
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self._rendered: dict[int, tuple[list[int], list[int]]] = {}
+
+    def example(self, index: int) -> tuple[list[int], list[int]]:
+        if index not in self._rendered:  # rendered on first use: a big split costs nothing up front
+            self._rendered[index] = render_demonstration(self.rt.policy, self.demos[index], self.algo.max_length)
+        return self._rendered[index]
+
+    async def restore(self) -> bool:
+        store = self.rt.store
+        checkpoint = await store.load_checkpoint()
+        if checkpoint is None:
+            await store.set_run_info("config", OmegaConf.to_container(self.cfg, resolve=True))
+            return False
+        load_adapter_bytes(self.rt.policy, checkpoint.blobs["adapter"])
+        self.optimizer.load_state_dict(torch.load(io.BytesIO(checkpoint.blobs["optimizer"]), weights_only=False))
+        rng = pickle.loads(checkpoint.blobs["rng"])
+        random.setstate(rng["python"])
+        torch.set_rng_state(rng["torch"])
+        self.cursor = TaskCursor(len(self.demos), self.cfg.seed, **checkpoint.state["cursor"])
+        self.step = checkpoint.step + 1
+        self.rt.policy.version = checkpoint.policy_version
+        rows = [{"step": s, **m} for s, m in (await store.query_metrics()).items()]
+        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return True
+
+    async def train(self) -> dict:
+        resumed = await self.restore()
+        if not resumed:
+            await self._eval(0, baseline=True)
+        with tqdm(total=self.steps, initial=self.step, desc="sft", dynamic_ncols=True, disable=not self.cfg.progress) as bar:
+            while self.step < self.steps:
+                metrics = await self.train_step()
+                done = self.step + 1
+                every = self.algo.eval_every
+                if done == self.steps or (every and done % every == 0):
+                    metrics.update(await self._eval(done))
+                await self.checkpoint(metrics)
+                self._append_metrics(metrics)
+                bar.set_postfix(loss=f"{metrics['loss']:.4f}")
+                bar.update(1)
+                self.step += 1
+        final_dir = self.run_dir / "adapter"
+        await asyncio.to_thread(self.rt.policy.save_adapter, final_dir)
+        last = json.loads(self.metrics_path.read_text().splitlines()[-1]) if self.metrics_path.is_file() else {}
+        return {"resumed": resumed, "steps": self.step, "adapter": str(final_dir), "metrics": {k: v for k, v in last.items() if k != "step"}}
+
+    async def train_step(self) -> dict:
+        rt, algo = self.rt, self.algo
+        started = time.perf_counter()
+        picked = self.cursor.take(algo.batch_size)
+        examples = [self.example(i) for i in picked]
+
+        def update() -> dict:
+            rt.policy.model.train()
+            self.optimizer.zero_grad(set_to_none=True)
+            stats = sft_loss_and_backward(rt.policy, examples, algo.micro_batch_size)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(rt.policy.trainable_parameters(), algo.max_grad_norm))
+            self.optimizer.step()
+            rt.policy.model.eval()
+            return {**stats, "grad_norm": grad_norm}
+
+        async with rt.engine.paused():  # no forward pass may run while weights change
+            stats = await asyncio.to_thread(update)
+            rt.policy.version += 1
+        return {
+            "step": self.step, "policy_version": rt.policy.version, **stats, "lr": float(algo.lr),
+            "examples": len(examples), "seq_len_mean": sum(len(ids) for ids, _ in examples) / len(examples),
+            "time_update_s": time.perf_counter() - started,
+        }
+
+    async def _eval(self, step: int, baseline: bool = False) -> dict:
+        if not self.eval_rows:
+            return {}
+        summary = await evaluate(
+            self.rt, self.eval_rows, resources=self.rt.task.resources_for(self.cfg.task.prompt),
+            sampling={"temperature": 0.0, "max_tokens": self.algo.max_tokens}, tag={"eval_step": step}, desc=f"eval@{step}",
+        )
+        metrics = {f"eval/{k}": v for k, v in summary.items()}
+        if baseline:  # before any update: logged as step -1, like GRPO's baseline
+            row = {"policy_version": self.rt.policy.version, **metrics}
+            await self.rt.store.log_metrics(-1, row)
+            self._append_metrics({"step": -1, **row})
+        return metrics
+
+    async def checkpoint(self, metrics: dict) -> None:
+        rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
+        await self.rt.store.save_checkpoint(
+            self.step, self.rt.policy.version, state={"cursor": self.cursor.state()},
+            blobs={"adapter": adapter_bytes(self.rt.policy), "optimizer": torch_bytes(self.optimizer.state_dict()), "rng": pickle.dumps(rng)},
+            metrics=metrics,
+        )
+
+    def _append_metrics(self, metrics: dict) -> None:
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        draw_run_plots(self.metrics_path, self.run_dir)
+
+
+async def train_sft(cfg: DictConfig, run_dir: Path) -> dict:
+    async with Runtime(cfg, run_dir) as rt:
+        return await SFTTrainer(rt, cfg).train()

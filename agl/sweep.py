@@ -1,0 +1,248 @@
+"""Sweeps: deterministic multirun dirs, job status files, and the end-of-sweep summary.
+
+``python harness.py -m task=gsm8k algo=grpo algo.lr=1e-5,3e-5 task.prompt=cot,terse`` runs every
+combination (Hydra multirun) under ``outputs/multirun/<task>_<algo>_<hash>/<job overrides>/``:
+
+* the sweep dir is keyed by a hash of the sorted command-line overrides (``sweep_id``), and
+  each job dir by its own overrides (``job_dir_name``), so the same command finds the same
+  dirs again: finished jobs are skipped, unfinished or failed ones resume from their stores
+  (``agl.jobs.run_job`` reads ``status.json``);
+* ``status.json`` in each job dir says ``running`` / ``succeeded`` / ``failed`` (with the
+  error; the traceback is in ``error.log``); a failed job does not stop the sweep;
+* at the end, ``SweepSummary`` (a Hydra callback, ``hydra.callbacks`` in conf/config.yaml)
+  writes ``summary.md``, ``summary.csv`` and ``curves.png`` (every job's reward and eval
+  curves overlaid) to the sweep dir. ``python harness.py report=<sweep dir>`` does the same
+  later, from the files alone.
+
+Nothing here imports torch: summaries and reports load no model.
+"""
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+from agl.evaluate import fmt, markdown_table
+from agl.plots import draw_panels, read_metrics
+
+STATUS_FILE = "status.json"
+EXCLUDED_KEYS = ("resume", "report", "device", "progress")  # do not change what a job computes
+SWEEP_PANELS = [("reward", ["reward_mean"]), ("eval", ["eval/reward"])]
+IGNORED_EVAL = {"eval/n", "eval/failed", "eval/completion_tokens"}
+
+
+# ----------------------------------------------------------------------------- dir names
+
+
+def _key(override: str) -> str:
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^\w.,=+@%-]+", "_", text).strip("_")
+
+
+def command_overrides(argv: Sequence[str] | None = None) -> list[str]:
+    """The config overrides on the command line, sorted; Hydra's own and the excluded keys left out."""
+    argv = sys.argv[1:] if argv is None else argv
+    return sorted(
+        a for a in argv
+        if "=" in a and not a.startswith("-") and not _key(a).startswith(("hydra.", "hydra/")) and _key(a) not in EXCLUDED_KEYS
+    )
+
+
+def sweep_id(argv: Sequence[str] | None = None) -> str:
+    """``<task>_<algo>_<hash of the sorted overrides>``: the same command gives the same sweep dir."""
+    overrides = command_overrides(argv)
+    digest = hashlib.sha1("\n".join(overrides).encode()).hexdigest()[:8]
+    names = [o.split("=", 1)[1].replace(",", "+") for key in ("task", "algo") for o in overrides if _key(o) == key]
+    return "_".join([_safe(n)[:40] for n in names] + [digest])
+
+
+def job_dir_name(override_dirname: str) -> str:
+    """A job's subdir: its overrides (``key=value,...``, Hydra's override_dirname), made path-safe."""
+    name = _safe(override_dirname.replace("/", "_")) or "defaults"
+    if len(name) > 200:  # file names stop at 255 bytes
+        name = name[:180] + "-" + hashlib.sha1(override_dirname.encode()).hexdigest()[:8]
+    return name
+
+
+# ----------------------------------------------------------------------------- status files
+
+
+def read_status(run_dir: Path) -> dict | None:
+    try:
+        return json.loads((Path(run_dir) / STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_status(run_dir: Path, status: str, **fields: Any) -> dict:
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    record = {**(read_status(run_dir) or {}), "status": status, "updated": time.time(), **fields}
+    tmp = run_dir / f".{STATUS_FILE}.tmp"
+    tmp.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    os.replace(tmp, run_dir / STATUS_FILE)  # never a half-written status
+    return record
+
+
+def effective_status(record: dict | None) -> str:
+    """``running`` when the recorded process is gone becomes ``unfinished`` (killed)."""
+    if not record:
+        return "unknown"
+    status = record.get("status", "unknown")
+    if status == "running":
+        import psutil
+
+        pid = record.get("pid")
+        if not (pid and psutil.pid_exists(pid)) or record.get("host") not in (None, os.uname().nodename):
+            return "unfinished"
+    return status
+
+
+# ----------------------------------------------------------------------------- the summary
+
+
+def is_sweep_dir(path: Path) -> bool:
+    path = Path(path)
+    return (path / "multirun.yaml").is_file() or (not (path / "store.sqlite").exists() and bool(job_dirs(path)))
+
+
+def job_dirs(sweep_dir: Path) -> list[Path]:
+    """Job dirs directly under the sweep dir: those holding a status.json or a .hydra/ config."""
+    sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        return []
+    return sorted(p for p in sweep_dir.iterdir() if p.is_dir() and ((p / STATUS_FILE).is_file() or (p / ".hydra" / "overrides.yaml").is_file()))
+
+
+def _overrides(job_dir: Path) -> dict[str, str]:
+    path = job_dir / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return {}
+    from omegaconf import OmegaConf
+
+    unescape = lambda value: re.sub(r"\\(.)", r"\1", value)  # noqa: E731  Hydra writes swept values escaped ("a\:b")
+    return {_key(o): unescape(o.split("=", 1)[1]) if "=" in o else "" for o in OmegaConf.load(path) if _key(o) not in EXCLUDED_KEYS}
+
+
+def _best(rows: Sequence[dict], key: str) -> tuple[float | None, int | None]:
+    points = [(r[key], r["step"]) for r in rows if isinstance(r.get(key), (int, float)) and not math.isnan(r[key])]
+    if not points:
+        return None, None
+    value, step = max(points, key=lambda p: (p[0], -p[1]))
+    return value, step
+
+
+def _final(rows: Sequence[dict], key: str) -> Any:
+    values = [r[key] for r in rows if r.get(key) is not None]
+    return values[-1] if values else None
+
+
+def job_record(job_dir: Path) -> dict:
+    """One row of the summary: a job's status, overrides, and final and best metrics."""
+    job_dir = Path(job_dir)
+    status = read_status(job_dir) or {}
+    rows = read_metrics(job_dir / "metrics.jsonl")
+    metrics: dict[str, Any] = {}
+    if rows:
+        steps = [r["step"] for r in rows if r.get("step", -1) >= 0]
+        metrics["steps"] = max(steps) + 1 if steps else 0
+        metrics["final reward"] = _final(rows, "reward_mean")
+        metrics["best reward"], _ = _best(rows, "reward_mean")
+        metrics["final loss"] = _final(rows, "loss") if metrics["final reward"] is None else None
+        for key in sorted({k for r in rows for k in r if k.startswith("eval/")} - IGNORED_EVAL):
+            metrics[f"final {key}"] = _final(rows, key)
+        best_eval, best_step = _best(rows, "eval/reward")
+        metrics["best eval/reward"], metrics["best step"] = best_eval, best_step
+    result = status.get("result") or {}
+    for key, value in (result.get("metrics") or {}).items():  # eval / prompt_search results
+        if key.startswith("eval/") and key not in IGNORED_EVAL:
+            metrics.setdefault(f"final {key}", value)
+        elif not key.startswith("eval/"):
+            metrics.setdefault(key, value)
+    return {
+        "job": job_dir.name,
+        "status": effective_status(status) if status else ("unfinished" if (job_dir / "store.sqlite").exists() else "unknown"),
+        "algo": status.get("algo"),
+        "overrides": _overrides(job_dir),
+        "metrics": {k: v for k, v in metrics.items() if v is not None},
+        "time_s": status.get("duration_s"),
+        "error": status.get("error"),
+        "rows": rows,
+    }
+
+
+def write_sweep_summary(sweep_dir: Path, echo: bool = True) -> dict:
+    """Write ``summary.md``, ``summary.csv`` and ``curves.png`` to the sweep dir; return the records."""
+    sweep_dir = Path(sweep_dir)
+    records = [job_record(d) for d in job_dirs(sweep_dir)]
+    keys = sorted({k for r in records for k in r["overrides"]})
+    varying = [k for k in keys if len({r["overrides"].get(k) for r in records}) > 1]
+    common = {k: records[0]["overrides"].get(k) for k in keys if k not in varying} if records else {}
+    metric_names: list[str] = []
+    for r in records:
+        metric_names += [m for m in r["metrics"] if m not in metric_names]
+
+    headers = ["job", "status", *varying, *metric_names, "time_s", "error"]
+    md_rows = [
+        [i, r["status"], *[r["overrides"].get(k, "") for k in varying], *[r["metrics"].get(m) for m in metric_names],
+         r["time_s"], _short(r["error"])]
+        for i, r in enumerate(records)
+    ]
+    counts = {s: sum(r["status"] == s for r in records) for s in sorted({r["status"] for r in records})}
+    text = (
+        f"# sweep: {sweep_dir}\n\n{len(records)} jobs: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + "\n\n"
+        + ("common overrides: " + " ".join(f"{k}={v}" for k, v in common.items()) + "\n\n" if common else "")
+        + markdown_table(headers, md_rows) + "\n\njobs:\n" + "".join(f"  {i}: {r['job']}\n" for i, r in enumerate(records))
+    )
+    (sweep_dir / "summary.md").write_text(text)
+    with open(sweep_dir / "summary.csv", "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["job", "status", *keys, *metric_names, "time_s", "error"])
+        for r in records:
+            writer.writerow([r["job"], r["status"], *[r["overrides"].get(k, "") for k in keys],
+                             *[fmt(r["metrics"].get(m)) for m in metric_names], fmt(r["time_s"]), r["error"] or ""])
+    runs = {_label(r, varying, i): r["rows"] for i, r in enumerate(records) if r["rows"]}
+    plot = draw_panels(runs, sweep_dir / "curves.png", SWEEP_PANELS) if runs else None
+    if echo:
+        print(text)
+        print(f"written: {sweep_dir / 'summary.md'}, {sweep_dir / 'summary.csv'}" + (f", {plot}" if plot and plot.exists() else ""))
+    return {"sweep_dir": str(sweep_dir), "jobs": [{k: v for k, v in r.items() if k != "rows"} for r in records]}
+
+
+def _label(record: dict, varying: Sequence[str], index: int) -> str:
+    parts = [f"{k.rsplit('.', 1)[-1]}={record['overrides'].get(k, '')}" for k in varying]
+    return f"{index}: " + (" ".join(parts) if parts else record["job"])
+
+
+def _short(error: str | None, limit: int = 120) -> str:
+    if not error:
+        return ""
+    line = error.strip().splitlines()[0]
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+# ----------------------------------------------------------------------------- the Hydra callback
+
+try:
+    from hydra.experimental.callback import Callback
+except ImportError:  # pragma: no cover - hydra is a dependency
+    Callback = object  # type: ignore[misc,assignment]
+
+
+class SweepSummary(Callback):
+    """Writes the sweep summary once every job of a multirun has returned."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        if sweep_dir.is_dir():
+            write_sweep_summary(sweep_dir)

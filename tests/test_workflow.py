@@ -1,0 +1,199 @@
+"""The research workflow on the tiny model: eval, prompt search, SFT, report, and a custom task.
+
+Everything goes through the real store, route and runners. The tiny model's text is noise, so
+the agents score something noise varies in (vowels) or something the prompt decides.
+"""
+import asyncio
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+
+from agl.eval_job import run_eval
+from agl.model import load_policy
+from agl.prompt_search import run_prompt_search
+from agl.sft import SFTTrainer, render_demonstration
+from agl.runtime import Runtime
+from agl.trainer import train
+
+ROOT = Path(__file__).resolve().parents[1]
+TESTS = ROOT / "tests"
+TINY = ["model=tiny", "progress=false", "runner.n=8", "task.max_tokens=6"]
+VOWELS = TINY + ["task=hello", "task.agent=e2e_agents:multi_turn_agent", "task.data=e2e_agents:load", "+task.resources.max_turns=2", "task.eval_size=6"]
+
+
+def compose_cfg(overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return compose("config", overrides=overrides)
+
+
+def lora_state(policy):
+    return {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
+
+
+def metrics_lines(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def grpo_run(tmp_path_factory):
+    """Two GRPO steps with a greedy eval before and after (the end of training)."""
+    run_dir = tmp_path_factory.mktemp("grpo")
+    cfg = compose_cfg(VOWELS + ["algo=grpo", "algo.steps=2", "algo.batch_size=2", "algo.group_size=4", "algo.micro_batch_size=4", "algo.lr=3e-2", "algo.eval_every=0"])
+    asyncio.run(train(cfg, run_dir))
+    return run_dir
+
+
+async def test_eval_of_a_saved_adapter_reproduces_the_training_eval(grpo_run, tmp_path):
+    lines = metrics_lines(grpo_run)
+    baseline, final = lines[0], lines[-1]
+    assert baseline["step"] == -1 and final["step"] == 1 and "eval/reward" in final
+
+    trained = await run_eval(compose_cfg(VOWELS + ["algo=eval", f"model.adapter={grpo_run}"]), tmp_path / "trained")
+    assert trained["tasks"] == 6 and trained["adapter"] == str(grpo_run / "adapter")
+    assert trained["summary"]["reward"] == final["eval/reward"]  # exactly: greedy, same adapter
+    assert trained["summary"]["turns"] == final["eval/turns"]
+    base = await run_eval(compose_cfg(VOWELS + ["algo=eval"]), tmp_path / "base")
+    assert base["summary"]["reward"] == baseline["eval/reward"]  # and the base model = the baseline eval
+    # token for token: the eval job's replies are the training run's final-eval replies
+    at_end, at_start = await _replies(grpo_run, eval_step=2), await _replies(grpo_run, eval_step=0)
+    assert await _replies(tmp_path / "trained", eval="eval") == at_end
+    assert await _replies(tmp_path / "base", eval="eval") == at_start
+    assert at_end != at_start  # the adapter changed what the policy says, so the match means something
+
+    written = json.loads((tmp_path / "trained" / "eval.json").read_text())
+    assert written["summary"] == trained["summary"] and len(written["rollouts"]) == 6
+    table = (tmp_path / "trained" / "eval.md").read_text()
+    assert "| reward" in table and str(grpo_run / "adapter") in table
+
+
+async def _replies(run_dir, **tag):
+    """{task_id: [response token ids of each LLM call]} for the rollouts whose metadata has ``tag``."""
+    from agl.store import SqliteStore
+
+    store = SqliteStore.open_readonly(run_dir / "store.sqlite")
+    try:
+        out = {}
+        for rollout in await store.query_rollouts():
+            if all(rollout.metadata.get(k) == v for k, v in tag.items()):
+                spans = await store.query_spans(rollout.rollout_id, "latest")
+                out[rollout.metadata["task_id"]] = [list(s.response_token_ids) for s in spans if s.name == "llm.chat"]
+        return out
+    finally:
+        await store.close()
+
+
+async def test_eval_pass_at_k_samples_k_tries_per_task(tmp_path):
+    cfg = compose_cfg(VOWELS + ["algo=eval", "algo.size=3", "algo.k=2", "algo.temperature=1.0", "algo.pass_threshold=0.3"])
+    result = await run_eval(cfg, tmp_path)
+    assert result["summary"]["n"] == 6 and "pass@2" in result["summary"]
+    assert sorted(r["try"] for r in [*map(lambda r: r.metadata, await _rollouts(tmp_path))]) == [0, 0, 0, 1, 1, 1]
+
+
+async def _rollouts(run_dir):
+    from agl.store import SqliteStore
+
+    store = SqliteStore.open_readonly(run_dir / "store.sqlite")
+    try:
+        return await store.query_rollouts()
+    finally:
+        await store.close()
+
+
+async def test_prompt_search_ranks_the_marked_template_first(tmp_path):
+    cfg = compose_cfg(TINY + [
+        "task=hello", "task.agent=workflow_agents:marker_agent", "algo=prompt_search", "algo.size=8",
+        "+task.prompts.marked='[BEST] {question}'", "algo.candidates=[plain,marked]",
+    ])
+    result = await run_prompt_search(cfg, tmp_path)
+    first, second = result["ranking"]
+    assert result["best"] == "marked" and first["prompt"] == "marked" and second["prompt"] == "plain"
+    assert first["n"] == second["n"] == 8  # hello's train split repeats its 8 questions: distinct tasks only
+    assert first["mean"] >= 0.7 > 0.3 >= second["mean"]
+    assert first["ci_bootstrap"][0] <= first["mean"] <= first["ci_bootstrap"][1]
+    assert second["separated"] and first["summary"]["marked"] == 1.0
+    text = (tmp_path / "prompt_search.md").read_text()
+    assert "task.prompt=marked" in text and "95% CI (bootstrap)" in text
+    saved = json.loads((tmp_path / "prompt_search.json").read_text())
+    assert saved["best"] == "marked" and saved["templates"]["marked"] == "[BEST] {question}"
+    # every rollout called the model through the route, under its own template's resources
+    rollouts = await _rollouts(tmp_path)
+    assert len(rollouts) == 16 and len({r.resources_id for r in rollouts}) == 2
+
+
+def test_sft_mask_covers_assistant_content_and_end_of_turn(tiny_model_cfg):
+    policy = load_policy(tiny_model_cfg, "cpu")
+    messages = [{"role": "user", "content": "Who are you?"}, {"role": "assistant", "content": "I am Lightning."}]
+    ids, mask = render_demonstration(policy, messages)
+    learned = [t for t, m in zip(ids, mask) if m]
+    assert policy.tokenizer.decode(learned) == "I am Lightning.<|im_end|>"
+    assert ids[: len(policy.render_chat(messages[:1]))] == policy.render_chat(messages[:1])  # the prompt the route renders
+    two_turns = messages + [{"role": "user", "content": "Again?"}, {"role": "assistant", "content": "Lightning."}]
+    ids, mask = render_demonstration(policy, two_turns)
+    assert policy.tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "I am Lightning.<|im_end|>Lightning.<|im_end|>"
+
+
+async def test_sft_learns_checkpoints_and_its_adapter_is_picked_up_by_later_runs(tmp_path):
+    cfg = compose_cfg(TINY + ["task=hello", "task.eval_size=2", "algo=sft", "algo.steps=4", "algo.batch_size=4", "algo.micro_batch_size=2", "algo.lr=1e-2"])
+    async with Runtime(cfg, tmp_path) as rt:
+        trainer = SFTTrainer(rt, cfg)
+        result = await trainer.train()
+        trained = lora_state(rt.policy)
+        checkpoints = [c.step for c in await rt.store.list_checkpoints()]
+    assert result["steps"] == 4 and checkpoints == [0, 1, 2, 3]
+    lines = metrics_lines(tmp_path)
+    assert [line["step"] for line in lines] == [-1, 0, 1, 2, 3] and "eval/reward" in lines[-1]
+    losses = [line["loss"] for line in lines[1:]]
+    assert losses[-1] < losses[0], losses
+    assert (tmp_path / "curves.png").is_file() and (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    # model.adapter=<run dir>: the next stage (GRPO, eval, SFT) starts from exactly these weights
+    later = load_policy(compose_cfg(TINY + [f"model.adapter={tmp_path}"]).model, "cpu")
+    reloaded = lora_state(later)
+    assert reloaded.keys() == trained.keys() and all(torch.equal(reloaded[n], trained[n]) for n in trained)
+    assert all(p.requires_grad for p in later.trainable_parameters()) and later.trainable_parameters()
+
+
+def test_report_reads_a_run_without_loading_a_model(grpo_run):
+    code = (
+        "import runpy, sys; sys.argv = ['harness.py', 'report=%s']; "
+        "runpy.run_path('harness.py', run_name='__main__'); print('TORCH_LOADED', 'torch' in sys.modules)" % grpo_run
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    for section in ("## run", "## best step", "## reward and accuracy by step", "## slowest rollouts", "## failures by error"):
+        assert section in out, out
+    assert "TORCH_LOADED False" in out
+    assert "| algo      | grpo" in out and "2 of 2 done" in out
+    assert re.search(r"\| 1\s+\| [0-9.]+\s+\|", out)  # the step table has step 1's reward
+    assert (grpo_run / "report.md").is_file() and (grpo_run / "curves.png").is_file()
+
+
+def test_readme_custom_task_runs_through_task_custom(tmp_path):
+    """The README's own-agent example, verbatim, trains through `task=custom` from the user's dir."""
+    readme = (ROOT / "README.md").read_text()
+    agent = (TESTS / "my_agent.py").read_text()
+    data = (TESTS / "capitals.jsonl").read_text()
+    assert agent.strip() in readme and data.strip() in readme, "README and tests/my_agent.py, tests/capitals.jsonl differ"
+    shutil.copy(TESTS / "my_agent.py", tmp_path / "my_agent.py")
+    shutil.copy(TESTS / "capitals.jsonl", tmp_path / "capitals.jsonl")
+    run_dir = tmp_path / "run"
+    args = [
+        sys.executable, str(ROOT / "harness.py"), "task=custom", "task.agent=my_agent:my_agent", "task.data=capitals.jsonl", "algo=grpo",
+        "model=tiny", "progress=false", "algo.steps=1", "algo.batch_size=2", "algo.group_size=2", "task.max_tokens=4", "task.eval_size=2",
+        f"hydra.run.dir={run_dir}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = metrics_lines(run_dir)
+    assert [line["step"] for line in lines] == [-1, 0] and lines[-1]["rollouts"] == 4 and lines[-1]["rollouts_failed"] == 0
+    assert "eval/short" in lines[-1]  # the agent's emit_metric reached the eval table
+    assert json.loads((run_dir / "status.json").read_text())["status"] == "succeeded"
