@@ -72,7 +72,10 @@ async def _read_store(path: Path) -> dict:
                 "time_span": q("SELECT min(start_time), max(end_time) FROM rollouts")[0],
                 "step_summary": q("SELECT step, rollouts, succeeded, failed, unfinished, retried FROM step_summary ORDER BY step"),
                 "slowest": q(
-                    "SELECT d.rollout_id, r.mode, r.step, d.sequence_id, d.status, d.duration, d.spans, rr.reward "
+                    "SELECT d.rollout_id, r.mode, CASE WHEN r.step IS NOT NULL THEN 'step ' || r.step "
+                    "WHEN json_extract(r.metadata, '$.eval_step') IS NOT NULL THEN 'eval@' || json_extract(r.metadata, '$.eval_step') "
+                    "WHEN json_extract(r.metadata, '$.candidate') IS NOT NULL THEN 'prompt ' || json_extract(r.metadata, '$.candidate') "
+                    "ELSE '' END, d.sequence_id, d.status, d.duration, d.spans, rr.reward "
                     "FROM attempt_durations d JOIN rollouts r ON r.rollout_id = d.rollout_id "
                     "LEFT JOIN rollout_rewards rr ON rr.rollout_id = d.rollout_id "
                     f"WHERE d.duration IS NOT NULL ORDER BY d.duration DESC LIMIT {SLOWEST}"
@@ -159,7 +162,7 @@ def _slowest_section(slowest: list[tuple]) -> str:
     if not slowest:
         return "(no finished attempts)"
     rows = [[rid, mode, step, attempt, status, duration, spans, reward] for rid, mode, step, attempt, status, duration, spans, reward in slowest]
-    return markdown_table(["rollout", "mode", "step", "attempt", "status", "seconds", "spans", "reward"], rows)
+    return markdown_table(["rollout", "mode", "of", "attempt", "status", "seconds", "spans", "reward"], rows)
 
 
 def _failures_section(failures: list[tuple]) -> str:

@@ -118,3 +118,9 @@ def test_multirun_isolates_a_failing_job_and_rerunning_resumes_or_skips(tmp_path
     out = _sweep(tmp_path, modules)
     assert out.count("skip: ") == 2 and _store(good) == ({0, 1}, rollouts)
     assert list((tmp_path / "outputs" / "multirun").iterdir()) == [sweep]
+
+    # 4. report=<sweep dir> rewrites the summary from the files
+    (sweep / "summary.md").unlink()
+    report = subprocess.run([sys.executable, str(ROOT / "harness.py"), f"report={sweep}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr
+    assert "2 jobs: 2 succeeded" in report.stdout and (sweep / "summary.md").is_file()

@@ -17,6 +17,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from agl.eval_job import run_eval
+from agl.evaluate import bootstrap_ci, mean_ci
 from agl.model import load_policy
 from agl.prompt_search import run_prompt_search
 from agl.sft import SFTTrainer, render_demonstration
@@ -105,6 +106,14 @@ async def _rollouts(run_dir):
         return await store.query_rollouts()
     finally:
         await store.close()
+
+
+def test_confidence_intervals():
+    mean, lo, hi = mean_ci([0.0, 1.0] * 8)
+    assert mean == 0.5 and lo == pytest.approx(0.5 - 1.96 * (16 / 15 * 0.25 / 16) ** 0.5) and hi == pytest.approx(1 - lo)
+    assert mean_ci([0.3]) == (0.3, 0.3, 0.3) and mean_ci([1.0] * 5)[1:] == (1.0, 1.0)
+    b_lo, b_hi = bootstrap_ci([0.0, 1.0] * 8, seed=1)
+    assert 0.2 < b_lo < 0.5 < b_hi < 0.8 and bootstrap_ci([0.0, 1.0] * 8, seed=1) == (b_lo, b_hi)
 
 
 async def test_prompt_search_ranks_the_marked_template_first(tmp_path):
