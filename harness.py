@@ -4,12 +4,18 @@ Hydra owns config composition, overrides, sweeps (-m) and run dirs; agl.jobs own
 Resume a run in place with `python harness.py resume=<run dir>`; summarize one (or a sweep)
 with `python harness.py report=<dir>`. Sweeps: `python harness.py -m algo.lr=1e-5,3e-5 ...`.
 """
+import os
 import sys
 
-import hydra
-from omegaconf import DictConfig, OmegaConf
+# torch and bitsandbytes each bring an OpenMP runtime; with the default spinning wait policy
+# their idle threads fight over the cores and a forward pass gets several times slower.
+# It must be set before either runtime starts.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from agl.errors import ConfigError
+import hydra  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+from agl.errors import ConfigError  # noqa: E402
 from agl.sweep import job_dir_name, sweep_id
 
 # A resumed run writes into its own dir, and keeps the .hydra/ config it was started with;
