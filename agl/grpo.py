@@ -128,6 +128,15 @@ class TokenBatch:
         return batch
 
 
+    @property
+    def num_input_tokens(self) -> int:
+        """Tokens the forward pass runs (a shared prompt once), padding excluded."""
+        completion = int(self.completion_attention_BT.sum())
+        if self.shared_prompt is not None:
+            return len(self.shared_prompt) + completion
+        return int(self.attention_mask_BL.sum())
+
+
 def plan_micro_batches(samples: Sequence[Sample], size: int) -> list[list[int]]:
     """Indices per micro-batch: samples sharing a prompt together (their prompt runs once),
     the rest length-sorted so padding wastes little."""
@@ -246,6 +255,7 @@ class GRPOUpdate:
                 timings["backward_s"] += time.perf_counter() - start
                 n = float(stats["tokens"])
                 sums["tokens"] += n
+                sums["input_tokens"] += b.num_input_tokens
                 sums["loss"] += float(loss.detach())
                 for key in ("clip_ratio_low", "clip_ratio_high", "kl", "ratio_mean"):
                     sums[key] += float(stats[key]) * n
@@ -262,6 +272,7 @@ class GRPOUpdate:
             "loss": sums["loss"] / cfg.num_iterations,
             "grad_norm": grad_norm if math.isfinite(grad_norm) else float("nan"),
             "train_tokens": sums["tokens"] / cfg.num_iterations,
+            "train_input_tokens": sums["input_tokens"] / cfg.num_iterations,  # tokens run through the model
             **{k: sums[k] / n_tokens for k in ("clip_ratio_low", "clip_ratio_high", "kl", "ratio_mean", "entropy", "logprob_diff_abs")},
             **timings,
         }

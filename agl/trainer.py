@@ -158,6 +158,7 @@ class GRPOTrainer:
                 inputs.append(row)
                 metadata.append({"step": step, "group": f"{step}-{g}", "task_id": row.get("id"), "sampling": sampling})
         existing = await rt.store.query_rollouts(step=step)  # a resumed step's rollouts
+        prefilled_before = rt.engine.stats["prefill_tokens"]
         rollouts = await rt.run_rollouts(inputs, metadata, mode="train", resources_id=resources_id, existing=existing, desc=f"step {step}")
         rollout_s = time.perf_counter() - started
 
@@ -193,6 +194,7 @@ class GRPOTrainer:
             "completion_len_max": max(lengths, default=0),
             "truncated_frac": sum(s.truncated for s in samples) / max(len(samples), 1),
             "tokens_per_s": sum(lengths) / max(rollout_s, 1e-9),
+            "prompt_tokens": rt.engine.stats["prefill_tokens"] - prefilled_before,  # prefilled: shared prompts count once
             "time_rollout_s": rollout_s,
             "time_update_s": update_s,
             "time_other_s": total_s - rollout_s - update_s,
