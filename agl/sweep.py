@@ -4,7 +4,7 @@
 combination (Hydra multirun) under ``outputs/multirun/<task>_<algo>_<hash>/<job overrides>/``:
 
 * the sweep dir is keyed by a hash of the sorted command-line overrides (``sweep_id``), and
-  each job dir by its own overrides (``job_dir_name``), so the same command finds the same
+  each job dir by its own overrides (``job_dir_name``: ``algo.lr-1e-05+task.prompt-cot``), so the same command finds the same
   dirs again: finished jobs are skipped, unfinished or failed ones resume from their stores
   (``agl.jobs.run_job`` reads ``status.json``);
 * ``status.json`` in each job dir says ``running`` / ``succeeded`` / ``failed`` (with the
@@ -46,7 +46,8 @@ def _key(override: str) -> str:
 
 
 def _safe(text: str) -> str:
-    return re.sub(r"[^\w.,=+@%-]+", "_", text).strip("_")
+    """Keep characters that are safe in a path and in a Hydra override value (no '=', ',', ':')."""
+    return re.sub(r"[^\w.+@%-]+", "_", text).strip("_")
 
 
 def command_overrides(argv: Sequence[str] | None = None) -> list[str]:
@@ -67,7 +68,9 @@ def sweep_id(argv: Sequence[str] | None = None) -> str:
 
 
 def job_dir_name(override_dirname: str) -> str:
-    """A job's subdir: its overrides (``key=value,...``, Hydra's override_dirname), made path-safe."""
+    """A job's subdir: its overrides, Hydra's override_dirname (``key-value+key-value``, see
+    conf/config.yaml), made path-safe. No '=' or ',' in it, so ``report=<job dir>`` and
+    ``resume=<job dir>`` need no quoting."""
     name = _safe(override_dirname.replace("/", "_")) or "defaults"
     if len(name) > 200:  # file names stop at 255 bytes
         name = name[:180] + "-" + hashlib.sha1(override_dirname.encode()).hexdigest()[:8]

@@ -18,7 +18,7 @@ def test_the_same_command_gives_the_same_dirs():
     assert a == b and a.startswith("hello_grpo_")
     assert sweep_id(["task=hello", "algo=grpo", "algo.lr=1e-5"]) != a
     assert command_overrides(["-m", "b=1", "+a=2", "hydra/launcher=joblib", "resume=x"]) == ["+a=2", "b=1"]
-    assert job_dir_name("algo.lr=1e-05,model.adapter=runs/a/b,task.agent=m\\:f") == "algo.lr=1e-05,model.adapter=runs_a_b,task.agent=m_f"
+    assert job_dir_name("algo.lr-1e-05+model.adapter-runs/a/b+task.agent-m\\:f") == "algo.lr-1e-05+model.adapter-runs_a_b+task.agent-m_f"
     long = job_dir_name("x=" + "y" * 300)
     assert len(long) < 200 and long != job_dir_name("x=" + "y" * 299)
     assert job_dir_name("") == "defaults"
@@ -124,3 +124,6 @@ def test_multirun_isolates_a_failing_job_and_rerunning_resumes_or_skips(tmp_path
     report = subprocess.run([sys.executable, str(ROOT / "harness.py"), f"report={sweep}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr
     assert "2 jobs: 2 succeeded" in report.stdout and (sweep / "summary.md").is_file()
+    report = subprocess.run([sys.executable, str(ROOT / "harness.py"), f"report={good}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert report.returncode == 0, report.stderr  # a job dir needs no quoting on the command line
+    assert "## best step" in report.stdout and "2 of 2 done" in report.stdout
