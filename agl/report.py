@@ -112,7 +112,8 @@ def _run_section(run_dir: Path, data: dict, rows: list[dict]) -> str:
         ("algo", algo.get("name")),
         ("task", f"{task.get('name')} (prompt {task.get('prompt')})" if task else None),
         ("model", f"{model.get('name')}" + (f", adapter {model['adapter']}" if model.get("adapter") else "")),
-        ("steps", f"{checkpoints[-1][0] + 1} of {algo.get('steps')} done, policy version {checkpoints[-1][1]}" if checkpoints else "no checkpoint"),
+        ("steps", f"{checkpoints[-1][0] + 1} of {algo.get('steps')} done, policy version {checkpoints[-1][1]}" if checkpoints
+         else None if algo.get("name") in ("eval", "prompt_search") else "no checkpoint yet"),
         ("rollouts", ", ".join(f"{n} {s}" for s, n in data["rollouts_by_status"]) or "none"),
         ("by mode", ", ".join(f"{n} {m}" for m, n in data["rollouts_by_mode"]) or "none"),
         ("attempts", f"{data['attempts'][0]} ({data['attempts'][1] or 0} retries)"),
