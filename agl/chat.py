@@ -98,13 +98,14 @@ class History:
         if turns is None:
             turns = self._attempts[key] = collections.deque(maxlen=self.turns_per_attempt)
         turns.append(turn)
-        self._attempts.move_to_end(key)
-        while len(self._attempts) > self.max_attempts:
-            self._attempts.popitem(last=False)
+        self._touch(key)
 
     def load(self, key: Any, turns: Iterable[Turn]) -> None:
         """Set the turns of an attempt not in memory (e.g. read back from its spans); may be empty."""
         self._attempts[key] = collections.deque(turns, maxlen=self.turns_per_attempt)
+        self._touch(key)
+
+    def _touch(self, key: Any) -> None:
         self._attempts.move_to_end(key)
         while len(self._attempts) > self.max_attempts:
             self._attempts.popitem(last=False)

@@ -27,6 +27,7 @@ import datetime
 import json
 import platform
 import resource
+import statistics
 import time
 from pathlib import Path
 
@@ -103,34 +104,38 @@ async def main(args: argparse.Namespace) -> dict:
     server = ModelServer(engine, policy)
     await server.start()
     works = {c: gsm8k_messages(max(c, args.min_requests)) for c in args.clients}
+    runs: dict[int, list[tuple[dict, dict]]] = {c: [] for c in args.clients}
     try:
         await route_run(server, gsm8k_messages(2), 2, 4)  # warm-up: first-call costs out of the timings
-        route = {c: await route_run(server, works[c], c, args.new_tokens) for c in args.clients}
+        direct_run(policy, gsm8k_messages(2), 2, 4)
+        for _ in range(args.repeats):
+            for c in args.clients:  # each route run is followed at once by its direct twin (the engine idles)
+                route = await route_run(server, works[c], c, args.new_tokens)
+                runs[c].append((route, direct_run(policy, works[c], c, args.new_tokens)))
     finally:
         await server.stop()
         await engine.stop()
-    rss_after_route = peak_rss_mb()
-    direct_run(policy, gsm8k_messages(2), 2, 4)
-    direct = {c: direct_run(policy, works[c], c, args.new_tokens) for c in args.clients}
-    levels = [
-        {
-            "clients": c,
-            "requests": len(works[c]),
-            "route_tokens_per_s": route[c]["tokens_per_s"],
-            "direct_tokens_per_s": direct[c]["tokens_per_s"],
-            "ratio": route[c]["tokens_per_s"] / direct[c]["tokens_per_s"],
-            "route_wall_s": route[c]["wall_s"],
-            "direct_wall_s": direct[c]["wall_s"],
-        }
-        for c in args.clients
-    ]
+    levels = []
+    for c in args.clients:
+        pairs = runs[c]
+        levels.append(
+            {
+                "clients": c,
+                "requests": len(works[c]),
+                "route_tokens_per_s": statistics.median(r["tokens_per_s"] for r, _ in pairs),
+                "direct_tokens_per_s": statistics.median(d["tokens_per_s"] for _, d in pairs),
+                "ratio": statistics.median(r["tokens_per_s"] / d["tokens_per_s"] for r, d in pairs),
+                "ratios": [r["tokens_per_s"] / d["tokens_per_s"] for r, d in pairs],
+                "runs": [{"route": r, "direct": d} for r, d in pairs],
+            }
+        )
     return {
         "model": policy.name,
         "quantization": cfg.quantization,
         "new_tokens": args.new_tokens,
         "levels": levels,
-        "peak_rss_mb_after_route": rss_after_route,
-        "peak_rss_mb_total": peak_rss_mb(),
+        "repeats": args.repeats,
+        "peak_rss_mb": peak_rss_mb(),
         "torch_threads": torch.get_num_threads(),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, CPU",
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
@@ -148,18 +153,19 @@ def markdown(result: dict) -> str:
         "(greedy, `ignore_eos`). Route = concurrent `AsyncOpenAI` clients over HTTP; direct = "
         "`model.generate` on the same prompts in left-padded batches of the same size. Written by `bench/serve.py`.",
         "",
-        "| clients | requests | route tok/s | direct tok/s | route / direct | route wall s | direct wall s |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| clients | requests | route tok/s | direct tok/s | route / direct | ratio of each run pair |",
+        "|---:|---:|---:|---:|---:|---|",
     ]
     for lv in result["levels"]:
         lines.append(
             f"| {lv['clients']} | {lv['requests']} | {lv['route_tokens_per_s']:.1f} | {lv['direct_tokens_per_s']:.1f} | "
-            f"{lv['ratio']:.2f} | {lv['route_wall_s']:.1f} | {lv['direct_wall_s']:.1f} |"
+            f"{lv['ratio']:.2f} | {', '.join(f'{r:.2f}' for r in lv['ratios'])} |"
         )
     lines += [
         "",
-        f"Peak RSS: {result['peak_rss_mb_after_route']:.0f} MiB after the route runs, "
-        f"{result['peak_rss_mb_total']:.0f} MiB after the direct runs (one process, so the second includes the first).",
+        f"Medians of {result['repeats']} rounds; in each round every route run is followed at once by its direct "
+        "twin, and the ratio is the median over these pairs (the machine is shared, so other load comes and goes). "
+        f"Peak RSS of the process (policy, engine, route, clients and the direct runs): {result['peak_rss_mb']:.0f} MiB.",
         "",
     ]
     return "\n".join(lines)
@@ -171,6 +177,7 @@ if __name__ == "__main__":
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--min-requests", type=int, default=4, help="requests per level at least (1 client sends them in turn)")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; medians are reported")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     result = asyncio.run(main(args))
