@@ -69,6 +69,7 @@ class SequenceStream:
         self.finish_reason: str | None = None  # "stop" | "length" | "abort"
         self.policy_version: int | None = None
         self.submitted_at = time.perf_counter()
+        self.admitted_at: float | None = None  # joined the running batch (queue time ends)
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self.cancelled = False
@@ -189,7 +190,8 @@ class Engine:
         for i in range(n):
             seq = SequenceStream(list(prompt_ids), params, stop_ids)
             if params.seed is not None:  # each choice of a seeded request gets its own fixed stream
-                seq.generator = torch.Generator(device="cpu").manual_seed(params.seed + i)
+                # mix (seed, choice) so seed=1 choice 1 and seed=2 choice 0 do not share a stream
+                seq.generator = torch.Generator(device="cpu").manual_seed(hash((params.seed, i)) & (2**63 - 1))
             seqs.append(seq)
         self._waiting.extend(seqs)
         self._wake.set()
@@ -259,7 +261,9 @@ class Engine:
                 break
             budget -= cost
             seen.add(prompt)
-            admit.append(self._waiting.pop(0))
+            seq = self._waiting.pop(0)
+            seq.admitted_at = time.perf_counter()
+            admit.append(seq)
         return admit
 
     def _retire_finished(self) -> None:
