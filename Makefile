@@ -29,9 +29,9 @@ test: setup
 
 bench: setup
 	$(BIN)/pip install --quiet -e ".[bench]"
-	$(BIN)/python bench/store.py
-	$(BIN)/python bench/serve.py
-	$(BIN)/python bench/grpo_vs_trl.py
+	PYTHONPATH=. $(BIN)/python bench/store.py
+	PYTHONPATH=. $(BIN)/python bench/serve.py
+	PYTHONPATH=. $(BIN)/python bench/grpo_vs_trl.py
 
 clean:
 	rm -rf $(VENV) *.egg-info
