@@ -26,7 +26,7 @@ def test_on_policy_grpo_loss_is_minus_mean_advantage():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
     adv = torch.tensor([2.0, -1.0])
     loss, stats = policy_loss(logp, logp.detach(), adv, mask, token_weights(mask, "grpo", 3))
-    assert float(loss) == pytest.approx(-(2.0 + -1.0) / 2)
+    assert float(loss.detach()) == pytest.approx(-(2.0 + -1.0) / 2)
     loss.backward()
     # d loss / d logp = -A * weight (ratio' = ratio = 1): -2 * 1/4 and +1 * 1/2
     close(logp.grad, [[-0.5, -0.5, 0.0], [0.5, 0.0, 0.0]])
@@ -39,16 +39,16 @@ def test_clipping_by_hand():
     old = torch.tensor([[-0.5]])
     mask = torch.ones(1, 1)
     loss, stats = policy_loss(logp, old, torch.tensor([1.0]), mask, mask, epsilon=0.2)
-    assert float(loss) == pytest.approx(-1.2)
+    assert float(loss.detach()) == pytest.approx(-1.2)
     loss.backward()
     assert float(logp.grad) == 0.0
     assert float(stats["clip_ratio_high"]) == 1.0
     # asymmetric: epsilon_high=0.28 clips at 1.28
     loss, _ = policy_loss(logp.detach(), old, torch.tensor([1.0]), mask, mask, epsilon=0.2, epsilon_high=0.28)
-    assert float(loss) == pytest.approx(-1.28)
+    assert float(loss.detach()) == pytest.approx(-1.28)
     # negative advantage: min picks the unclipped (larger) penalty: -min(1.6487*-1, 1.2*-1) = 1.6487
     loss, _ = policy_loss(logp.detach(), old, torch.tensor([-1.0]), mask, mask)
-    assert float(loss) == pytest.approx(math.exp(0.5))
+    assert float(loss.detach()) == pytest.approx(math.exp(0.5))
 
 
 def test_gspo_uses_sequence_geometric_mean_ratio():
@@ -56,7 +56,7 @@ def test_gspo_uses_sequence_geometric_mean_ratio():
     old = torch.tensor([[-0.1, 0.1]])  # token ratios e^0.1, e^-0.1: geometric mean exactly 1
     mask = torch.ones(1, 2)
     loss, stats = policy_loss(logp, old, torch.tensor([1.0]), mask, token_weights(mask, "gspo", 2), loss_type="gspo", epsilon=0.05)
-    assert float(loss) == pytest.approx(-1.0)  # not clipped, although each token ratio is outside 1 +- 0.05
+    assert float(loss.detach()) == pytest.approx(-1.0)  # not clipped, although each token ratio is outside 1 +- 0.05
     assert float(stats["clip_ratio_high"]) == 0.0
     loss.backward()
     assert logp.grad.tolist()[0] == pytest.approx([-0.5, -0.5])
@@ -69,7 +69,7 @@ def test_k3_kl_by_hand():
     loss, stats = policy_loss(logp, logp, torch.tensor([0.0]), mask, mask, beta=0.5, ref_logp_BT=ref)
     k3 = math.exp(-1.0) - (-1.0) - 1
     assert float(stats["kl"]) == pytest.approx(k3)
-    assert float(loss) == pytest.approx(0.5 * k3)
+    assert float(loss.detach()) == pytest.approx(0.5 * k3)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "gspo"])
