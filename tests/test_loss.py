@@ -83,7 +83,7 @@ def test_micro_batches_accumulate_to_the_full_batch(loss_type):
     weights = token_weights(mask, loss_type, 5)
     full, _ = policy_loss(logp, old, adv, mask, weights, loss_type=loss_type)
     parts = sum(policy_loss(logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], weights[i : i + 2], loss_type=loss_type)[0] for i in (0, 2, 4))
-    assert float(parts) == pytest.approx(float(full), rel=1e-6)
+    assert float(parts.detach()) == pytest.approx(float(full.detach()), rel=1e-6)
 
 
 def test_group_advantages():
