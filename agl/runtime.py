@@ -67,9 +67,12 @@ class Runtime:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        for part in (self.runners, self.server, self.engine):
+        # Stop in reverse order of start: no agent calls the route, then no request reaches the engine.
+        if self.runners is not None:
+            await self.runners.__aexit__(None, None, None)
+        for part in (self.server, self.engine):
             if part is not None:
-                await (part.__aexit__(None, None, None) if part is self.runners else part.stop())
+                await part.stop()
         if self.store is not None:
             await self.store.close()
 
