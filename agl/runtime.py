@@ -9,7 +9,6 @@ talk only to the route. Data flows one way: task -> rollout -> spans -> samples 
 from __future__ import annotations
 
 import asyncio
-import logging
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -23,8 +22,6 @@ from agl.server import ModelServer
 from agl.store import SqliteStore
 from agl.tasks import Task, load_task
 from agl.types import AttemptedRollout, AttemptStatus, Rollout, RolloutConfig, RolloutStatus
-
-log = logging.getLogger(__name__)
 
 
 class Runtime:
@@ -80,9 +77,7 @@ class Runtime:
 
     def sampling_parameters(self, rollout: AttemptedRollout) -> dict:
         """Decoding settings handed to the agent through ``llm.sampling_parameters``."""
-        meta = rollout.metadata or {}
-        params = dict(meta.get("sampling") or {})
-        return params
+        return dict((rollout.metadata or {}).get("sampling") or {})
 
     def rollout_config(self) -> RolloutConfig:
         r = self.cfg.runner

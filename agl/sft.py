@@ -8,7 +8,7 @@ the template's headers are masked out.
 
 The loop mirrors GRPO's: a seeded resumable cursor over the demonstrations, micro-batched
 forward/backward with the engine paused, AdamW, a checkpoint in the store after every step
-(adapter, optimizer, cursor, RNG; the trainer's helpers), ``metrics.jsonl`` and ``curves.png``,
+(adapter, optimizer, cursor, RNG; ``agl.checkpoint``), ``metrics.jsonl`` and ``curves.png``,
 optional greedy evals through the route (before the first step, every ``eval_every`` steps
 and after the last), and the final LoRA in ``<run dir>/adapter`` — which a later run picks up
 with ``model.adapter=<run dir>`` (SFT, then GRPO).
@@ -16,24 +16,20 @@ with ``model.adapter=<run dir>`` (SFT, then GRPO).
 from __future__ import annotations
 
 import asyncio
-import io
 import json
 import math
-import pickle
-import random
 import time
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from agl.checkpoint import TaskCursor, append_metrics, log_baseline, metrics_path, restore_checkpoint, save_checkpoint
 from agl.errors import ConfigError
 from agl.evaluate import evaluate
-from agl.plots import draw_run_plots
 from agl.runtime import Runtime
-from agl.trainer import TaskCursor, adapter_bytes, load_adapter_bytes, torch_bytes
 
 
 def render_demonstration(policy: Any, messages: Sequence[dict], max_length: int | None = None) -> tuple[list[int], list[int]]:
@@ -113,7 +109,6 @@ class SFTTrainer:
         self.cursor = TaskCursor(len(self.demos), cfg.seed)
         self.optimizer = torch.optim.AdamW(rt.policy.trainable_parameters(), lr=self.algo.lr, weight_decay=self.algo.weight_decay)
         self.step = 0
-        self.metrics_path = self.run_dir / "metrics.jsonl"
         self._rendered: dict[int, tuple[list[int], list[int]]] = {}
 
     def example(self, index: int) -> tuple[list[int], list[int]]:
@@ -122,21 +117,11 @@ class SFTTrainer:
         return self._rendered[index]
 
     async def restore(self) -> bool:
-        store = self.rt.store
-        checkpoint = await store.load_checkpoint()
+        checkpoint = await restore_checkpoint(self.rt, self.cfg, self.optimizer)
         if checkpoint is None:
-            await store.set_run_info("config", OmegaConf.to_container(self.cfg, resolve=True))
             return False
-        load_adapter_bytes(self.rt.policy, checkpoint.blobs["adapter"])
-        self.optimizer.load_state_dict(torch.load(io.BytesIO(checkpoint.blobs["optimizer"]), weights_only=False))
-        rng = pickle.loads(checkpoint.blobs["rng"])
-        random.setstate(rng["python"])
-        torch.set_rng_state(rng["torch"])
         self.cursor = TaskCursor(len(self.demos), self.cfg.seed, **checkpoint.state["cursor"])
         self.step = checkpoint.step + 1
-        self.rt.policy.version = checkpoint.policy_version
-        rows = [{"step": s, **m} for s, m in (await store.query_metrics()).items()]
-        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return True
 
     async def train(self) -> dict:
@@ -150,14 +135,15 @@ class SFTTrainer:
                 every = self.algo.eval_every
                 if done == self.steps or (every and done % every == 0):
                     metrics.update(await self._eval(done))
-                await self.checkpoint(metrics)
-                self._append_metrics(metrics)
+                await save_checkpoint(self.rt, self.step, self.cursor, self.optimizer, metrics)
+                append_metrics(self.run_dir, metrics)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}")
                 bar.update(1)
                 self.step += 1
         final_dir = self.run_dir / "adapter"
         await asyncio.to_thread(self.rt.policy.save_adapter, final_dir)
-        last = json.loads(self.metrics_path.read_text().splitlines()[-1]) if self.metrics_path.is_file() else {}
+        path = metrics_path(self.run_dir)
+        last = json.loads(path.read_text().splitlines()[-1]) if path.is_file() else {}
         return {"resumed": resumed, "steps": self.step, "adapter": str(final_dir), "metrics": {k: v for k, v in last.items() if k != "step"}}
 
     async def train_step(self) -> dict:
@@ -193,23 +179,8 @@ class SFTTrainer:
         )
         metrics = {f"eval/{k}": v for k, v in summary.items()}
         if baseline:  # before any update: logged as step -1, like GRPO's baseline
-            row = {"policy_version": self.rt.policy.version, **metrics}
-            await self.rt.store.log_metrics(-1, row)
-            self._append_metrics({"step": -1, **row})
+            await log_baseline(self.rt, metrics)
         return metrics
-
-    async def checkpoint(self, metrics: dict) -> None:
-        rng = {"python": random.getstate(), "torch": torch.get_rng_state()}
-        await self.rt.store.save_checkpoint(
-            self.step, self.rt.policy.version, state={"cursor": self.cursor.state()},
-            blobs={"adapter": adapter_bytes(self.rt.policy), "optimizer": torch_bytes(self.optimizer.state_dict()), "rng": pickle.dumps(rng)},
-            metrics=metrics,
-        )
-
-    def _append_metrics(self, metrics: dict) -> None:
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        draw_run_plots(self.metrics_path, self.run_dir)
 
 
 async def train_sft(cfg: DictConfig, run_dir: Path) -> dict:

@@ -15,65 +15,19 @@ finished ones as they are; the store requeued the ones the dead process was runn
 from __future__ import annotations
 
 import asyncio
-import io
-import json
-import pickle
-import random
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf
-from peft import get_peft_model_state_dict, set_peft_model_state_dict
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
+from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from agl.adapter import spans_to_samples
+from agl.checkpoint import TaskCursor, append_metrics, log_baseline, restore_checkpoint, save_checkpoint
 from agl.evaluate import evaluate
 from agl.grpo import GRPOConfig, GRPOUpdate, advantages
-from agl.plots import draw_run_plots
 from agl.runtime import Runtime, succeeded
-
-
-class TaskCursor:
-    """Walks a split in a seeded random order, epoch after epoch; its state is two ints."""
-
-    def __init__(self, n_rows: int, seed: int, epoch: int = 0, position: int = 0):
-        self.n_rows, self.seed, self.epoch, self.position = n_rows, seed, epoch, position
-
-    def _order(self) -> list[int]:
-        order = list(range(self.n_rows))
-        random.Random(self.seed * 100_003 + self.epoch).shuffle(order)
-        return order
-
-    def take(self, k: int) -> list[int]:
-        picked = []
-        while len(picked) < k:
-            if self.position >= self.n_rows:
-                self.epoch, self.position = self.epoch + 1, 0
-            picked.append(self._order()[self.position])
-            self.position += 1
-        return picked
-
-    def state(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position}
-
-
-def adapter_bytes(policy: Any) -> bytes:
-    state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(policy.model).items()}
-    return save_safetensors(state)
-
-
-def load_adapter_bytes(policy: Any, blob: bytes) -> None:
-    set_peft_model_state_dict(policy.model, load_safetensors(blob))
-
-
-def torch_bytes(obj: Any) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()
 
 
 class GRPOTrainer:
@@ -88,44 +42,18 @@ class GRPOTrainer:
         self.cursor = TaskCursor(len(self.train_rows), cfg.seed)
         self.update = GRPOUpdate(rt.policy, GRPOConfig.from_cfg(self.algo))
         self.step = 0
-        self.metrics_path = self.run_dir / "metrics.jsonl"
 
     # ------------------------------------------------------------------ state
 
     async def restore(self) -> bool:
-        """Load the last checkpoint, if any. True when resuming."""
-        store = self.rt.store
-        checkpoint = await store.load_checkpoint()
+        """Load the last checkpoint, if any. True when resuming; a fresh run evaluates a baseline."""
+        checkpoint = await restore_checkpoint(self.rt, self.cfg, self.update.optimizer)
         if checkpoint is None:
-            await store.set_run_info("config", OmegaConf.to_container(self.cfg, resolve=True))
             await self._eval_if_due(step=0)
             return False
-        load_adapter_bytes(self.rt.policy, checkpoint.blobs["adapter"])
-        self.update.optimizer.load_state_dict(torch.load(io.BytesIO(checkpoint.blobs["optimizer"]), weights_only=False))
-        rng = pickle.loads(checkpoint.blobs["rng"])
-        random.setstate(rng["python"])
-        torch.set_rng_state(rng["torch"])
-        self.rt.engine.generator.set_state(rng["engine"])
         self.cursor = TaskCursor(len(self.train_rows), self.cfg.seed, **checkpoint.state["cursor"])
         self.step = checkpoint.step + 1
-        self.rt.policy.version = checkpoint.policy_version
-        self._rewrite_metrics_file([{"step": s, **m} for s, m in (await store.query_metrics()).items()])
         return True
-
-    async def checkpoint(self, metrics: dict) -> None:
-        rng = {"python": random.getstate(), "torch": torch.get_rng_state(), "engine": self.rt.engine.generator.get_state()}
-        await self.rt.store.save_checkpoint(
-            self.step,
-            self.rt.policy.version,
-            state={"cursor": self.cursor.state()},
-            blobs={"adapter": adapter_bytes(self.rt.policy), "optimizer": torch_bytes(self.update.optimizer.state_dict()), "rng": pickle.dumps(rng)},
-            metrics=metrics,
-        )
-
-    def _rewrite_metrics_file(self, rows: list) -> None:
-        with open(self.metrics_path, "w") as f:
-            for row in rows:
-                f.write(json.dumps(_plain(row)) + "\n")
 
     # ------------------------------------------------------------------ loop
 
@@ -136,8 +64,8 @@ class GRPOTrainer:
             while self.step < steps:
                 metrics = await self.train_step()
                 metrics.update(await self._eval_if_due(self.step + 1))
-                await self.checkpoint(metrics)
-                self._append_metrics(metrics)
+                await save_checkpoint(self.rt, self.step, self.cursor, self.update.optimizer, metrics)
+                append_metrics(self.run_dir, metrics)
                 bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", version=metrics["policy_version"])
                 bar.update(1)
                 self.step += 1
@@ -162,8 +90,9 @@ class GRPOTrainer:
         rollouts = await rt.run_rollouts(inputs, metadata, mode="train", resources_id=resources_id, existing=existing, desc=f"step {step}")
         rollout_s = time.perf_counter() - started
 
+        finished = succeeded(rollouts)
         samples, rewards = [], []
-        for rollout in succeeded(rollouts):
+        for rollout in finished:
             spans = await rt.store.query_spans(rollout.rollout_id, "latest")
             rollout_samples = spans_to_samples(spans, group=rollout.metadata["group"])
             samples += rollout_samples
@@ -188,7 +117,7 @@ class GRPOTrainer:
             "reward_mean": float(rewards_t.mean()),
             "reward_std": float(rewards_t.std()) if len(rewards) > 1 else 0.0,
             "rollouts": len(rollouts),
-            "rollouts_failed": len(rollouts) - len(succeeded(rollouts)),
+            "rollouts_failed": len(rollouts) - len(finished),
             "samples_trained": len(kept),
             "completion_len_mean": sum(lengths) / max(len(lengths), 1),
             "completion_len_max": max(lengths, default=0),
@@ -216,20 +145,9 @@ class GRPOTrainer:
             rt, self.eval_rows, resources=rt.task.resources_for(self.cfg.task.prompt), sampling=sampling,
             tag={"eval_step": step}, desc=f"eval@{step}",
         )
-        if step == 0:  # the baseline, before any update: logged as step -1
-            baseline = {"policy_version": rt.policy.version, **{f"eval/{k}": v for k, v in summary.items()}}
-            await rt.store.log_metrics(-1, baseline)
-            self._append_metrics({"step": -1, **baseline})
+        if step == 0:
+            await log_baseline(rt, {f"eval/{k}": v for k, v in summary.items()})
         return summary
-
-    def _append_metrics(self, metrics: dict) -> None:
-        with open(self.metrics_path, "a") as f:
-            f.write(json.dumps(_plain(metrics)) + "\n")
-        draw_run_plots(self.metrics_path, self.run_dir)
-
-
-def _plain(row: Any) -> Any:
-    return {k: (float(v) if isinstance(v, (torch.Tensor,)) else v) for k, v in dict(row).items()}
 
 
 async def train(cfg: DictConfig, run_dir: Path) -> dict:

@@ -2,7 +2,7 @@
 import pytest
 
 from agl.evaluate import summarize
-from agl.trainer import TaskCursor
+from agl.checkpoint import TaskCursor
 
 
 def test_summary_counts_failed_rollouts_as_zero_and_averages_metrics():

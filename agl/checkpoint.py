@@ -1,0 +1,125 @@
+"""What a trainer needs to resume exactly: the task cursor, checkpoints and the metrics file.
+
+GRPO and SFT both checkpoint after every step, in one store transaction: the LoRA weights,
+the optimizer state, the cursor, and the RNG states (python, torch, the engine's sampler).
+``metrics.jsonl`` is a readable copy of the store's metrics; on resume it is rewritten from
+the store, so a line written for a step that never committed disappears.
+"""
+from __future__ import annotations
+
+import io
+import json
+import pickle
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from peft import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from agl.plots import draw_run_plots
+from agl.types import Checkpoint
+
+
+class TaskCursor:
+    """Walks a split in a seeded random order, epoch after epoch; its state is two ints."""
+
+    def __init__(self, n_rows: int, seed: int, epoch: int = 0, position: int = 0):
+        self.n_rows, self.seed, self.epoch, self.position = n_rows, seed, epoch, position
+        self._order_epoch: int | None = None
+        self._order: list[int] = []
+
+    def order(self) -> list[int]:
+        """This epoch's permutation (shuffled once per epoch, not once per row taken)."""
+        if self._order_epoch != (self.epoch, self.n_rows):
+            self._order = list(range(self.n_rows))
+            random.Random(self.seed * 100_003 + self.epoch).shuffle(self._order)
+            self._order_epoch = (self.epoch, self.n_rows)
+        return self._order
+
+    def take(self, k: int) -> list[int]:
+        picked = []
+        while len(picked) < k:
+            if self.position >= self.n_rows:
+                self.epoch, self.position = self.epoch + 1, 0
+            picked.append(self.order()[self.position])
+            self.position += 1
+        return picked
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+
+def adapter_bytes(policy: Any) -> bytes:
+    state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(policy.model).items()}
+    return save_safetensors(state)
+
+
+def load_adapter_bytes(policy: Any, blob: bytes) -> None:
+    set_peft_model_state_dict(policy.model, load_safetensors(blob))
+
+
+def torch_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+async def save_checkpoint(rt: Any, step: int, cursor: TaskCursor, optimizer: torch.optim.Optimizer, metrics: dict) -> None:
+    """Everything to resume after ``step``, in one store transaction."""
+    rng = {"python": random.getstate(), "torch": torch.get_rng_state(), "engine": rt.engine.generator.get_state()}
+    await rt.store.save_checkpoint(
+        step,
+        rt.policy.version,
+        state={"cursor": cursor.state()},
+        blobs={"adapter": adapter_bytes(rt.policy), "optimizer": torch_bytes(optimizer.state_dict()), "rng": pickle.dumps(rng)},
+        metrics=metrics,
+    )
+
+
+async def restore_checkpoint(rt: Any, cfg: DictConfig, optimizer: torch.optim.Optimizer) -> Checkpoint | None:
+    """Load the last checkpoint into the policy, optimizer and RNGs; None for a fresh run.
+
+    A fresh run records its config instead; a resumed one gets its metrics file rewritten
+    from the store. The caller rebuilds its cursor from ``checkpoint.state["cursor"]``.
+    """
+    store = rt.store
+    checkpoint = await store.load_checkpoint()
+    if checkpoint is None:
+        await store.set_run_info("config", OmegaConf.to_container(cfg, resolve=True))
+        return None
+    load_adapter_bytes(rt.policy, checkpoint.blobs["adapter"])
+    optimizer.load_state_dict(torch.load(io.BytesIO(checkpoint.blobs["optimizer"]), weights_only=False))
+    rng = pickle.loads(checkpoint.blobs["rng"])
+    random.setstate(rng["python"])
+    torch.set_rng_state(rng["torch"])
+    rt.engine.generator.set_state(rng["engine"])
+    rt.policy.version = checkpoint.policy_version
+    rows = [{"step": s, **m} for s, m in (await store.query_metrics()).items()]
+    metrics_path(rt.run_dir).write_text("".join(json.dumps(_plain(r)) + "\n" for r in rows))
+    return checkpoint
+
+
+def metrics_path(run_dir: Path) -> Path:
+    return Path(run_dir) / "metrics.jsonl"
+
+
+def append_metrics(run_dir: Path, row: dict) -> None:
+    """One line of metrics.jsonl, and the curves redrawn."""
+    with open(metrics_path(run_dir), "a") as f:
+        f.write(json.dumps(_plain(row)) + "\n")
+    draw_run_plots(metrics_path(run_dir), run_dir)
+
+
+async def log_baseline(rt: Any, eval_metrics: dict) -> None:
+    """The evaluation before any update, logged as step -1 (store and metrics.jsonl)."""
+    row = {"policy_version": rt.policy.version, **eval_metrics}
+    await rt.store.log_metrics(-1, row)
+    append_metrics(rt.run_dir, {"step": -1, **row})
+
+
+def _plain(row: Any) -> Any:
+    return {k: (float(v) if isinstance(v, torch.Tensor) else v) for k, v in dict(row).items()}
