@@ -30,6 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from agl.kv_cache import append_in_place_cache
+from agl.merged import MergedSampler
 from agl.model import Policy
 
 GREEDY = 0.0
@@ -143,8 +144,13 @@ class Engine:
         max_batch_size: int = 64,
         max_prefill_tokens: int = 8192,
         batch_wait_s: float = 0.005,
+        weights: str = "merged",
     ):
+        if weights not in ("merged", "adapter"):
+            raise ValueError(f"engine.weights '{weights}' is not one of: merged, adapter")
         self.policy = policy
+        # merged: one dense matmul per layer (see agl.merged); adapter: the training model itself
+        self.merged = MergedSampler(policy.model, policy.compute_dtype) if weights == "merged" else None
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.batch_wait_s = batch_wait_s  # let requests sent together be prefilled together
@@ -324,7 +330,8 @@ class Engine:
 
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
         device = self.policy.device
-        out = self.policy.model(
+        model = self.merged.model() if self.merged is not None else self.policy.model
+        out = model(
             input_ids=input_ids.to(device),
             attention_mask=mask.to(device),
             position_ids=positions.to(device),
@@ -392,6 +399,14 @@ class Engine:
         self.stats["decode_tokens"] += len(batch.seqs)
         return logits
 
+    def _uniforms(self, seqs: list[SequenceStream]) -> torch.Tensor:
+        """One uniform per row: from the row's own generator when its request set a seed."""
+        shared = torch.rand(len(seqs), generator=self.generator, dtype=torch.float64)
+        for i, seq in enumerate(seqs):
+            if seq.generator is not None:
+                shared[i] = torch.rand((), generator=seq.generator, dtype=torch.float64)
+        return shared
+
     def _sample(self, seqs: list[SequenceStream], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list]:
         """Sample one token per row with that row's own temperature, top-p and seed.
 
@@ -408,9 +423,7 @@ class Engine:
             top_ps = torch.tensor([seqs[i].params.top_p for i in sample_rows])
             if (top_ps < 1).any():
                 probs = _top_p_filter(probs, top_ps)
-            for j, row in enumerate(sample_rows):
-                generator = seqs[row].generator or self.generator
-                tokens[row] = torch.multinomial(probs[j], 1, generator=generator)[0]
+            tokens[sample_rows] = draw(probs, self._uniforms([seqs[i] for i in sample_rows]))
         chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
         tops = []
         for row, seq in enumerate(seqs):
@@ -421,6 +434,24 @@ class Engine:
             else:
                 tops.append(None)
         return tokens, chosen, tops
+
+
+def draw(probs_SV: torch.Tensor, uniforms_S: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: one uniform per row picks the token whose CDF interval holds it.
+
+    One random number per row instead of one per vocabulary entry: with a 49k vocabulary,
+    ``torch.multinomial`` (or an exponential race) spent ~24 ms per batch-32 step drawing
+    random numbers, a quarter of a decode step. The CDF is accumulated in float64 so every
+    token's interval has its probability's width to ~1e-16; ``right=True`` never lands on a
+    zero-probability token.
+
+    >>> draw(torch.tensor([[0.2, 0.0, 0.8]]), torch.tensor([0.5])).tolist()
+    [2]
+    """
+    cdf_SV = probs_SV.double().cumsum(-1)
+    total_S = cdf_SV[:, -1]
+    targets_S = torch.minimum(uniforms_S.double() * total_S, torch.nextafter(total_S, torch.zeros_like(total_S)))
+    return torch.searchsorted(cdf_SV, targets_S[:, None], right=True)[:, 0]
 
 
 def _top_p_filter(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from agl.adapter import Sample
+from agl.logprobs import token_logprobs
 from agl.loss import group_advantages, policy_loss, token_weights
 from agl.model import Policy
 
@@ -149,49 +150,77 @@ def plan_micro_batches(samples: Sequence[Sample], size: int) -> list[list[int]]:
     return plan + [singles[i : i + size] for i in range(0, len(singles), size)]
 
 
-def _model_logits(policy: Policy, batch: TokenBatch) -> torch.Tensor:
-    """Logits predicting each completion token. [B, T, V]"""
+def _forward(policy: Policy, batch: TokenBatch, decoder_only: bool) -> torch.Tensor:
+    """Per completion position, the model output that predicts that token. [B, T, H or V]
+
+    ``decoder_only``: the final hidden states (the vocabulary projection is left to
+    ``token_logprobs``); otherwise the full model's logits.
+    """
     device = policy.device
+    model = policy.model.get_base_model()
+    run = model.get_decoder() if decoder_only else model
+    pick = (lambda out: out.last_hidden_state) if decoder_only else (lambda out: out.logits)
     T = batch.completion_BT.shape[1]
     if batch.shared_prompt is None:
         attention = batch.attention_mask_BL.to(device)
-        out = policy.model(
+        out = run(
             input_ids=batch.input_ids_BL.to(device),
             attention_mask=attention,
             position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
             use_cache=False,
-            logits_to_keep=T + 1,  # the logit at position t predicts token t+1
+            **({} if decoder_only else {"logits_to_keep": T + 1}),  # the output at position t predicts token t+1
         )
-        return out.logits[:, :-1]
+        return pick(out)[:, -T - 1 : -1]
     B, P = batch.completion_BT.shape[0], len(batch.shared_prompt)
-    prompt = policy.model(input_ids=torch.tensor([batch.shared_prompt], device=device), use_cache=True, logits_to_keep=1)
+    prompt = run(input_ids=torch.tensor([batch.shared_prompt], device=device), use_cache=True, **({} if decoder_only else {"logits_to_keep": 1}))
     cache = prompt.past_key_values
     for layer in cache.layers:  # one prompt KV for every row; gradients from all rows sum into it
         layer.keys, layer.values = layer.keys.expand(B, -1, -1, -1), layer.values.expand(B, -1, -1, -1)
     attention = torch.cat([torch.ones((B, P), dtype=torch.long), batch.completion_attention_BT], dim=1).to(device)
-    out = policy.model(
+    out = run(
         input_ids=batch.completion_BT.to(device),
         attention_mask=attention,
         position_ids=torch.arange(P, P + T, device=device).expand(B, -1),
         past_key_values=cache,
         use_cache=True,
     )
-    first = prompt.logits[:, -1:].expand(B, -1, -1)  # the prompt's last logit predicts token 0
-    return torch.cat([first, out.logits[:, :-1]], dim=1)
+    first = pick(prompt)[:, -1:].expand(B, -1, -1)  # the prompt's last output predicts token 0
+    return torch.cat([first, pick(out)[:, :-1]], dim=1)
 
 
-def completion_logprobs(policy: Policy, batch: TokenBatch, with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of the completion tokens under the policy, at each sample's temperature. [B, T]"""
+def fused_head(policy: Policy) -> torch.nn.Linear | None:
+    """The output layer, when logits are exactly ``h @ W.T`` (no bias, soft-capping or scaling),
+    so ``token_logprobs`` may compute them; else None and the model computes its own logits."""
+    model = policy.model.get_base_model()
+    head = model.get_output_embeddings()
+    config = model.config
+    plain = type(head) is torch.nn.Linear and head.bias is None
+    rescaled = any(getattr(config, name, None) not in (None, 1.0) for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    return head if plain and not rescaled else None
+
+
+def completion_logprobs(policy: Policy, batch: TokenBatch, with_entropy: bool = False, fused: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs of the completion tokens under the policy, at each sample's temperature. [B, T]
+
+    With ``with_entropy``, also each position's entropy (detached). [B, T]
+    ``fused=False`` forces the model's own logits (the path for output layers ``fused_head`` rejects).
+    """
     device = policy.device
-    logits_BTV = _model_logits(policy, batch).float() / batch.temperature_B.to(device)[:, None, None]
     tokens_BT = batch.completion_BT.to(device)
-    logp_BT = logits_BTV.gather(-1, tokens_BT[..., None])[..., 0] - torch.logsumexp(logits_BTV, dim=-1)
-    entropy_BT = None
-    if with_entropy:
+    B, T = tokens_BT.shape
+    temperature_BT = batch.temperature_B.to(device)[:, None].expand(B, T)
+    head = fused_head(policy) if fused else None
+    if head is not None:
+        hidden_BTH = _forward(policy, batch, decoder_only=True)
+        logp, entropy = token_logprobs(hidden_BTH.reshape(B * T, -1), head.weight, tokens_BT.reshape(-1), temperature_BT.reshape(-1))
+        logp_BT, entropy_BT = logp.view(B, T), entropy.view(B, T)
+    else:
+        logits_BTV = _forward(policy, batch, decoder_only=False).float() / temperature_BT[..., None]
+        logp_BT = logits_BTV.gather(-1, tokens_BT[..., None])[..., 0] - torch.logsumexp(logits_BTV, dim=-1)
         with torch.no_grad():
             log_probs = torch.log_softmax(logits_BTV, dim=-1)
-            entropy_BT = -(log_probs.exp() * log_probs).sum(-1).cpu()
-    return logp_BT.cpu() if device.type != "cpu" else logp_BT, entropy_BT
+            entropy_BT = -(log_probs.exp() * log_probs).sum(-1)
+    return logp_BT.cpu(), (entropy_BT.detach().cpu() if with_entropy else None)
 
 
 class GRPOUpdate:

@@ -20,34 +20,37 @@ class AppendInPlaceLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.keys.numel() == 0:
-            self.keys, self.values = self._room(key_states), self._room(value_states)
-            return self.keys, self.values
-        self.keys = self._append(self.keys, key_states)
-        self.values = self._append(self.values, value_states)
+            self.buffers: list[torch.Tensor | None] = [None, None]
+        self.keys = self._append(0, self.keys, key_states)
+        self.values = self._append(1, self.values, value_states)
         return self.keys, self.values
 
-    def _room(self, states: torch.Tensor) -> torch.Tensor:
-        """Copy ``states`` into a buffer with spare length; return the filled view."""
-        length = states.shape[-2]
-        capacity = int(length * self.growth) + self.slack
-        buffer = states.new_empty((*states.shape[:-2], capacity, states.shape[-1]))
-        buffer[..., :length, :] = states
-        return buffer[..., :length, :]
+    def _append(self, which: int, cached: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        """Write ``new`` after ``cached`` in its buffer; re-buffer when ``cached`` is not the
+        buffer's filled view any more (replaced by the engine) or the buffer is full.
 
-    def _append(self, cached: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        base = cached._base
+        The buffer is kept explicitly: under ``torch.inference_mode`` views do not record
+        their ``_base``, so a view cannot tell which buffer it came from.
+        """
+        buffer = self.buffers[which]
+        if cached.numel() == 0:  # the first update: lazy_initialization left an empty 1-d tensor
+            cached = new[..., :0, :]
         length, added = cached.shape[-2], new.shape[-2]
         fits = (
-            base is not None
-            and base.shape[:-2] == cached.shape[:-2]
-            and cached.data_ptr() == base.data_ptr()
-            and base.shape[-2] >= length + added
+            buffer is not None
+            and cached.data_ptr() == buffer.data_ptr()
+            and cached.shape[:-2] == buffer.shape[:-2]
+            and cached.stride() == buffer.stride()
+            and buffer.shape[-2] >= length + added
         )
-        if not fits:  # replaced by the engine, or full: re-buffer with room to grow
-            return self._room(torch.cat([cached, new], dim=-2))
-        base[..., length : length + added, :] = new
-        return base[..., : length + added, :]
+        if not fits:
+            states = torch.cat([cached, new], dim=-2) if length else new
+            length, added = 0, states.shape[-2]
+            capacity = int(added * self.growth) + self.slack
+            buffer = self.buffers[which] = states.new_empty((*states.shape[:-2], capacity, states.shape[-1]))
+            new = states
+        buffer[..., length : length + added, :] = new
+        return buffer[..., : length + added, :]
 
 
 def append_in_place_cache() -> DynamicCache:

@@ -47,7 +47,12 @@ class Runtime:
         await self.store.__aenter__()  # opens, reaps a dead previous process's attempts, starts the watchdog
         if self._policy is None:
             self._policy = await asyncio.to_thread(load_policy, cfg.model, cfg.device)
-        self.engine = Engine(self.policy, max_batch_size=cfg.engine.max_batch_size, max_prefill_tokens=cfg.engine.max_prefill_tokens)
+        self.engine = Engine(
+            self.policy,
+            max_batch_size=cfg.engine.max_batch_size,
+            max_prefill_tokens=cfg.engine.max_prefill_tokens,
+            weights=cfg.engine.get("weights", "merged"),  # runs saved before the option existed
+        )
         await self.engine.start()
         self.server = ModelServer(self.engine, self.policy, self.store, host=cfg.server.host, port=cfg.server.port, api_key=cfg.server.api_key)
         await self.server.start()

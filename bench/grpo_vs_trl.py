@@ -6,14 +6,17 @@ beta 0, mu 1, the same GSM8K reward (correct 1.0, '#### N' format 0.1) and the s
 (the first 64 train questions, through the same chat template and cot prompt).
 
   - agl: the real HTTP route, runners, SQLite store and GRPO update (``GRPOTrainer.train_step``).
-  - TRL: ``trl.GRPOTrainer`` (an optional ``bench`` extra, never a runtime dependency).
+  - TRL: ``trl.GRPOTrainer`` (an optional ``bench`` extra, never a runtime dependency), given
+    the same policy object in two configurations: ``trl`` with agl's compute dtype (bf16
+    4-bit matmuls on this CPU) and ``trl-fp32`` with fp32 compute (bitsandbytes' default, the
+    setup of the ~75 s/step figure the issue quotes).
 
 Each system runs in its own subprocess (so each has its own peak RSS), one warm-up step and
 then ``--steps`` timed steps; the driver alternates the systems for ``--rounds`` rounds so
 machine noise hits both alike. The matmul peak (bf16 and fp32 GFLOP/s) is measured first.
 
     PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py            # writes bench/results/grpo_vs_trl.{md,json}
-    PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py --only agl --rounds 1 --steps 1
+    PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py --only agl trl --rounds 1 --steps 1
 """
 from __future__ import annotations
 
@@ -122,7 +125,7 @@ def run_agl(steps: int) -> dict:
 # ----------------------------------------------------------------------------- TRL worker
 
 
-def run_trl(steps: int) -> dict:
+def run_trl(steps: int, compute_dtype: str = "auto") -> dict:
     from collections import defaultdict
 
     import torch
@@ -136,6 +139,7 @@ def run_trl(steps: int) -> dict:
 
     model_cfg = OmegaConf.load(ROOT / "conf" / "model" / "smollm2.yaml")
     model_cfg.cache_dir = os.path.expanduser(os.environ.get("AGL_CACHE", "~/.cache/agl"))
+    model_cfg.compute_dtype = compute_dtype
     policy = load_policy(model_cfg, "cpu")  # the same NF4 base + fresh LoRA r16 as agl's
     pool = prompt_pool()
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt_text"]}], "gold": r["gold"]} for r in pool])
@@ -207,8 +211,15 @@ def _time_method(obj, name: str, key: str, timings: dict) -> None:
 # ----------------------------------------------------------------------------- driver
 
 
+SYSTEMS = {
+    "agl": lambda steps: run_agl(steps),
+    "trl": lambda steps: run_trl(steps, "auto"),  # TRL on agl's policy: bf16 4-bit matmuls here
+    "trl-fp32": lambda steps: run_trl(steps, "float32"),  # NF4 weights, fp32 compute (bitsandbytes' default)
+}
+
+
 def worker(system: str, steps: int) -> None:
-    result = (run_agl if system == "agl" else run_trl)(steps)
+    result = SYSTEMS[system](steps)
     result["peak_rss_mib"] = peak_rss_mib()
     print("RESULT " + json.dumps(result), flush=True)
 
@@ -252,14 +263,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per round (after one warm-up step)")
-    parser.add_argument("--only", choices=["agl", "trl"])
-    parser.add_argument("--worker", choices=["agl", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--only", nargs="+", choices=list(SYSTEMS), help="run only these systems")
+    parser.add_argument("--worker", choices=list(SYSTEMS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.steps)
 
     peak = matmul_peak()
-    systems = [args.only] if args.only else ["agl", "trl"]
+    systems = args.only or list(SYSTEMS)
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     for round_ in range(args.rounds):
         for system in systems if round_ % 2 == 0 else systems[::-1]:
@@ -304,9 +315,12 @@ def render(result: dict) -> str:
     ]
     for label, key, fmt in rows:
         lines.append(f"| {label} | " + " | ".join(fmt.format(summary[c][key]) for c in cols) + " |")
-    if {"agl", "trl"} <= set(summary):
-        ratio = summary["trl"]["step_s"] / summary["agl"]["step_s"]
-        lines += ["", f"**agl steps/s ÷ TRL steps/s = {ratio:.2f}×**"]
+    for trl in ("trl", "trl-fp32"):
+        if {"agl", trl} <= set(summary):
+            ratio = summary[trl]["step_s"] / summary["agl"]["step_s"]
+            lines += ["", f"**agl steps/s ÷ {trl} steps/s = {ratio:.2f}×**"]
+    lines += ["", "`trl`: TRL's GRPOTrainer on agl's policy object (the same NF4 base and fresh LoRA, bf16 4-bit matmuls on this "
+              "CPU, bitsandbytes' CPU repacking off). `trl-fp32`: the same, with fp32 compute, bitsandbytes' default."]
     lines += ["", "For agl, generation is the rollout phase (agents calling the route, including their HTTP and store work); "
               "its update-side forward passes are counted under logprob passes. TRL's compute_loss forward is counted the same way."]
     return "\n".join(lines) + "\n"

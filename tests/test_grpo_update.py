@@ -43,6 +43,23 @@ def test_shared_prompt_forward_matches_the_padded_forward_in_value_and_gradient(
         torch.testing.assert_close(grad, results[False][1][name], atol=1e-5, rtol=1e-4)
 
 
+def test_fused_logprob_head_matches_the_models_own_logits_in_value_entropy_and_gradient(policy):
+    torch.manual_seed(1)
+    prompt = torch.randint(10, 2000, (11,)).tolist()
+    samples = make_samples(prompt, [torch.randint(10, 2000, (n,)).tolist() for n in (4, 6)], [1, 0])
+    batch = TokenBatch.build(samples, pad_id=2, mask_truncated=False)
+    results = {}
+    for fused in (True, False):
+        policy.model.zero_grad()
+        logp, entropy = completion_logprobs(policy, batch, with_entropy=True, fused=fused)
+        (logp * batch.mask_BT).sum().backward()
+        results[fused] = (logp.detach() * batch.mask_BT, entropy * batch.mask_BT, lora_grads(policy))
+    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[True][1], results[False][1], atol=1e-4, rtol=1e-4)
+    for name, grad in results[True][2].items():
+        torch.testing.assert_close(grad, results[False][2][name], atol=1e-5, rtol=1e-4)
+
+
 def test_micro_batches_keep_groups_together_and_pack_singletons():
     a = make_samples([1, 2], [[3], [4], [5]], [1, 0, 1], group="a")
     b = make_samples([7], [[8, 9]], [1], group="b")

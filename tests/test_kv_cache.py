@@ -1,4 +1,5 @@
 """The append-in-place KV cache returns exactly what transformers' concatenating cache returns."""
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -28,9 +29,14 @@ def test_same_keys_and_values_as_the_concatenating_layer(operations):
     assert layer.get_seq_length() == reference.get_seq_length()
 
 
-def test_appending_one_token_writes_in_place():
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no_grad", "inference_mode"])
+def test_appending_one_token_writes_in_place(mode):
+    """The engine decodes under inference_mode, where views forget their base tensor; the
+    layer must still append into its buffer rather than copy the cache on every token."""
     layer = AppendInPlaceLayer()
-    layer.update(torch.randn(1, 1, 10, 4), torch.randn(1, 1, 10, 4))
-    base = layer.keys._base
-    layer.update(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
-    assert layer.keys._base is base and layer.keys.shape[-2] == 11
+    with mode():
+        layer.update(torch.randn(1, 1, 10, 4), torch.randn(1, 1, 10, 4))
+        buffer = layer.buffers[0].data_ptr()
+        for length in range(11, 40):
+            layer.update(torch.randn(1, 1, 1, 4), torch.randn(1, 1, 1, 4))
+            assert layer.keys.data_ptr() == buffer and layer.keys.shape[-2] == length

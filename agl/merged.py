@@ -1,0 +1,120 @@
+"""A dense, LoRA-merged copy of the policy's linear layers, used only for sampling.
+
+Through the training model, every linear layer of a decode step costs a 4-bit dequantize,
+a base matmul and two LoRA matmuls, plus dtype casts around each: ~10 small ops x 210
+layers, so a batch-32 decode step was op-overhead bound (117 ms, ~8% of the bf16 peak).
+The sampler instead holds ``W = dequant(W_4bit) + scale * B @ A`` as one dense matrix per
+layer in the compute dtype and runs one matmul per layer.
+
+What is shared, not copied: embeddings, norms, rotary buffers and the (tied) vocabulary
+projection are the policy's own tensors, so the residual stream and logits stay fp32
+exactly as in training. What differs: the LoRA product is rounded into the dense weight
+(bf16 here) instead of being added in fp32. The trainer logs ``logprob_diff_abs`` (mean
+|trainer logprob - sampler logprob| per token), which shows whether that matters.
+
+Cost: 2 bytes per base parameter in bf16 (214 MB for SmolLM2-135M), and one re-merge
+(~0.1 s here) the first time the sampler runs after the LoRA changed. A change is noticed
+from the LoRA tensors themselves (their in-place version counters), so an optimizer step,
+a checkpoint restore or a ``load_state_dict`` all invalidate the merge without any caller
+having to remember to.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class DenseLinear(nn.Module):
+    """``y = x @ W.T + b`` with W in the compute dtype; input and output keep x's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight", weight, persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(self.weight.dtype)
+        return nn.functional.linear(x.to(self.weight.dtype), self.weight, bias).to(x.dtype)
+
+
+def dense_weight(layer: nn.Module) -> torch.Tensor:
+    """The layer's effective weight in fp32: dequantized base plus the active LoRA deltas."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.integrations import dequantize_bnb_weight
+
+    base = layer.get_base_layer() if isinstance(layer, LoraLayer) else layer
+    weight = base.weight
+    if type(weight).__name__ in ("Params4bit", "Int8Params"):
+        weight = dequantize_bnb_weight(weight, state=getattr(base, "state", None))
+    weight = weight.detach().float()
+    if isinstance(layer, LoraLayer) and not layer.disable_adapters and not layer.merged:
+        for adapter in layer.active_adapters:
+            if adapter in layer.lora_A:
+                weight = weight + layer.get_delta_weight(adapter).float()
+    return weight
+
+
+def linear_names(model: nn.Module) -> list[str]:
+    """Names of the layers to densify: every (possibly LoRA-wrapped, possibly quantized) linear
+    except the output embedding, which stays the policy's own fp32 tensor."""
+    from peft.tuners.lora import LoraLayer
+
+    output = model.get_output_embeddings()
+    names = []
+    for name, module in model.named_modules():
+        if module is output or ".base_layer" in name or ".lora_" in name:
+            continue
+        if isinstance(module, (LoraLayer, nn.Linear)):
+            names.append(name)
+    return names
+
+
+class MergedSampler:
+    """Builds and refreshes the dense sampling model; ``model()`` returns it up to date.
+
+    The sampling model is a shallow copy of the policy's module tree in which each linear
+    layer is replaced by a ``DenseLinear``; every other module (embeddings, norms, rotary,
+    the output layer) is the policy's own object, hooks included.
+    """
+
+    def __init__(self, peft_model: Any, compute_dtype: torch.dtype):
+        self.source = peft_model.get_base_model()  # the HF model with LoRA layers injected
+        self.compute_dtype = compute_dtype
+        self.names = linear_names(self.source)
+        self.sampler = self._copy_tree(self.source, "")
+        self._lora_params = [p for n, p in self.source.named_parameters() if ".lora_" in n]
+        self._lora_layers = [self.source.get_submodule(n) for n in self.names]
+        self._fingerprint: tuple | None = None
+
+    def _copy_tree(self, module: nn.Module, prefix: str) -> nn.Module:
+        if not module._modules:
+            return module  # a leaf that is not densified: shared
+        clone = copy.copy(module)
+        clone._modules = {
+            name: None if child is None else (child if f"{prefix}{name}" in self.names else self._copy_tree(child, f"{prefix}{name}."))
+            for name, child in module._modules.items()
+        }
+        return clone
+
+    def _lora_fingerprint(self) -> tuple:
+        """Changes whenever a LoRA weight does (in-place updates bump a tensor's version), or
+        when the adapter is switched off (``Policy.reference``)."""
+        versions = tuple((p.data_ptr(), p._version) for p in self._lora_params)
+        return versions + tuple(getattr(layer, "disable_adapters", False) for layer in self._lora_layers[:1])
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        for name, layer in zip(self.names, self._lora_layers):
+            base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
+            bias = None if base.bias is None else base.bias.detach().to(self.compute_dtype)
+            owner, _, attr = name.rpartition(".")
+            self.sampler.get_submodule(owner)._modules[attr] = DenseLinear(dense_weight(layer).to(self.compute_dtype), bias)
+        self._fingerprint = self._lora_fingerprint()
+
+    def model(self) -> nn.Module:
+        if self._fingerprint != self._lora_fingerprint():
+            self.refresh()
+        return self.sampler

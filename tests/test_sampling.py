@@ -1,0 +1,33 @@
+"""Inverse-CDF token draws: the right distribution, never a zero-probability token."""
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agl.engine import draw
+
+
+@given(
+    probs=st.lists(st.one_of(st.just(0.0), st.floats(1e-12, 1.0)), min_size=1, max_size=30).filter(lambda p: sum(p) > 0),
+    u=st.one_of(st.just(0.0), st.floats(0.0, 1.0, exclude_max=True), st.just(1.0 - 2**-53)),
+)
+@settings(max_examples=300, deadline=None)
+def test_a_draw_is_always_a_token_with_positive_probability(probs, u):
+    token = int(draw(torch.tensor([probs], dtype=torch.float32), torch.tensor([u], dtype=torch.float64))[0])
+    assert 0 <= token < len(probs) and probs[token] > 0
+
+
+def test_frequencies_follow_the_probabilities():
+    gen = torch.Generator().manual_seed(0)
+    probs = torch.softmax(torch.randn(50, generator=gen) * 2, dim=0)
+    n = 40_000
+    tokens = draw(probs.expand(n, -1), torch.rand(n, generator=gen, dtype=torch.float64))
+    freq = torch.bincount(tokens, minlength=50).double() / n
+    # 5 standard errors of a binomial proportion, per token
+    tolerance = 5 * (probs.double() * (1 - probs.double()) / n).sqrt() + 1e-4
+    assert ((freq - probs.double()).abs() <= tolerance).all()
+
+
+def test_unnormalized_rows_are_sampled_by_their_own_mass():
+    # a top-p filtered row no longer sums to 1: [0.3, 0, 0.3] means half and half
+    tokens = draw(torch.tensor([[0.3, 0.0, 0.3]] * 4), torch.tensor([0.0, 0.49, 0.51, 0.999], dtype=torch.float64))
+    assert tokens.tolist() == [0, 0, 2, 2]
