@@ -212,8 +212,10 @@ def completion_logprobs(policy: Policy, batch: TokenBatch, with_entropy: bool = 
     head = fused_head(policy) if fused else None
     if head is not None:
         hidden_BTH = _forward(policy, batch, decoder_only=True)
-        logp, entropy = token_logprobs(hidden_BTH.reshape(B * T, -1), head.weight, tokens_BT.reshape(-1), temperature_BT.reshape(-1))
-        logp_BT, entropy_BT = logp.view(B, T), entropy.view(B, T)
+        real_BT = batch.completion_attention_BT.to(device).bool()  # padding needs no vocabulary projection
+        logp_N, entropy_N = token_logprobs(hidden_BTH[real_BT], head.weight, tokens_BT[real_BT], temperature_BT[real_BT])
+        logp_BT = torch.zeros((B, T), device=device).masked_scatter(real_BT, logp_N)
+        entropy_BT = torch.zeros((B, T), device=device).masked_scatter(real_BT, entropy_N)
     else:
         logits_BTV = _forward(policy, batch, decoder_only=False).float() / temperature_BT[..., None]
         logp_BT = logits_BTV.gather(-1, tokens_BT[..., None])[..., 0] - torch.logsumexp(logits_BTV, dim=-1)
