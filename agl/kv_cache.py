@@ -1,7 +1,7 @@
 """A KV cache that appends in place: decode steps stop copying the whole cache.
 
 transformers' ``DynamicLayer`` grows by ``torch.cat`` on every token, so decoding T tokens
-copies O(T^2) cache bytes: ~35 ms of a 115 ms batch-32 decode step here. This layer keeps
+copies O(T^2) cache bytes: ~35 ms per batch-32 decode step here. This layer keeps
 its keys/values as views into buffers with spare room, so appending one token writes one
 column. The engine may still replace ``keys``/``values`` wholesale (merging new rows in,
 dropping finished ones); the next update notices and re-buffers them.
