@@ -1,0 +1,215 @@
+"""Where a GRPO step's time goes, part by part, with the alternatives side by side in one process.
+
+Three measurements on the embedded model (NF4 + fresh LoRA r16, compute dtype ``auto``):
+
+  - decode: one batch-32 decode step (150-token prompts, KV cache appended in place), through
+    the LoRA model vs. the merged dense sampling weights (``engine.weights`` adapter | merged);
+  - engine: 4 GSM8K prompts x 8 samples x 128 tokens through ``Engine``, split into model
+    forward and token sampling;
+  - update: one GRPO micro-batch (8 x 128 completion tokens sharing a 150-token prompt),
+    forward + backward, with the fused log-prob head vs. the model's own logits.
+
+Variants alternate within each measurement (medians), so machine noise hits both alike.
+``--profile`` also prints torch.profiler's top operators for a decode step and an update.
+
+    PYTHONPATH=. .venv/bin/python bench/profile_step.py        # ~3 min; writes bench/results/profile_step.{md,json}
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see harness.py
+
+import argparse
+import asyncio
+import datetime
+import json
+import random
+import statistics
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+BATCH, PROMPT, NEW_TOKENS = 32, 150, 128
+
+
+def load():
+    from omegaconf import OmegaConf
+
+    from agl.model import load_policy
+
+    cfg = OmegaConf.load(ROOT / "conf" / "model" / "smollm2.yaml")
+    cfg.cache_dir = os.path.expanduser(os.environ.get("AGL_CACHE", "~/.cache/agl"))
+    policy = load_policy(cfg, "cpu")
+    policy.model.eval()
+    return policy
+
+
+def decode_steps(model, steps: int, profile: bool = False) -> float:
+    """Median ms of one batch-32 decode step after a 150-token prefill."""
+    from agl.kv_cache import append_in_place_cache
+
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        cache = append_in_place_cache()
+        model(input_ids=torch.randint(100, 40000, (BATCH, PROMPT), generator=gen), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        mask = torch.ones(BATCH, PROMPT, dtype=torch.long)
+        times = []
+        for _ in range(steps + 2):
+            mask = torch.cat([mask, torch.ones(BATCH, 1, dtype=torch.long)], dim=1)
+            start = time.perf_counter()
+            model(
+                input_ids=torch.randint(100, 40000, (BATCH, 1), generator=gen), attention_mask=mask,
+                position_ids=torch.full((BATCH, 1), mask.shape[1] - 1), past_key_values=cache, use_cache=True, logits_to_keep=1,
+            )
+            times.append(time.perf_counter() - start)
+        if profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                mask = torch.cat([mask, torch.ones(BATCH, 1, dtype=torch.long)], dim=1)
+                model(input_ids=torch.randint(100, 40000, (BATCH, 1), generator=gen), attention_mask=mask,
+                      position_ids=torch.full((BATCH, 1), mask.shape[1] - 1), past_key_values=cache, use_cache=True, logits_to_keep=1)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+    return 1000 * statistics.median(times[2:])
+
+
+def engine_split(policy, weights: str) -> dict:
+    """4 GSM8K prompts x 8 samples x 128 tokens through the engine: forward vs sampling seconds."""
+    from omegaconf import OmegaConf
+
+    from agl.engine import Engine, SamplingParams
+    from tasks.gsm8k.data import load_split
+
+    template = OmegaConf.load(ROOT / "conf" / "task" / "gsm8k.yaml").prompts.cot
+    prompts = [policy.render_chat([{"role": "user", "content": template.format(question=r["question"])}]) for r in load_split("train")[:4]]
+    timings: dict[str, float] = defaultdict(float)
+
+    class TimedEngine(Engine):
+        def _forward(self, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return super()._forward(*args, **kwargs)
+            finally:
+                timings["forward_s"] += time.perf_counter() - start
+
+        def _sample(self, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return super()._sample(*args, **kwargs)
+            finally:
+                timings["sample_s"] += time.perf_counter() - start
+
+    async def run() -> None:
+        engine = TimedEngine(policy, weights=weights)
+        await engine.start()
+        params = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True)
+        start = time.perf_counter()
+        seqs = [s for p in prompts for s in engine.submit(p, params, n=8)]
+        await asyncio.gather(*(s.wait() for s in seqs))
+        timings["total_s"] = time.perf_counter() - start
+        await engine.stop()
+
+    asyncio.run(run())
+    return dict(timings)
+
+
+def update_step(policy, fused: bool, profile: bool = False) -> dict:
+    """One GRPO micro-batch of 8 x 128 tokens sharing a 150-token prompt: forward/backward seconds."""
+    import agl.grpo as grpo
+    from agl.adapter import Sample
+
+    rng = random.Random(0)
+    samples = [
+        Sample(rollout_id=str(i), prompt_ids=list(range(1000, 1000 + PROMPT)), completion_ids=[rng.randint(100, 40000) for _ in range(NEW_TOKENS)],
+               mask=[1] * NEW_TOKENS, logprobs=[-1.0] * NEW_TOKENS, reward=float(i % 2), truncated=False, group="g")
+        for i in range(8)
+    ]
+    update = grpo.GRPOUpdate(policy, grpo.GRPOConfig(lr=0.0, loss_type="dapo", micro_batch_size=8))
+    advantages = [1.0 if i % 2 else -1.0 for i in range(8)]
+    original = grpo.fused_head
+    grpo.fused_head = original if fused else (lambda _policy: None)
+    try:
+        if profile:
+            from torch.profiler import ProfilerActivity
+            from torch.profiler import profile as torch_profile
+
+            with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+                update.step(samples, advantages)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+        start = time.perf_counter()
+        metrics = update.step(samples, advantages)
+        return {"step_s": time.perf_counter() - start, "forward_s": metrics["forward_s"], "backward_s": metrics["backward_s"]}
+    finally:
+        grpo.fused_head = original
+
+
+def median_of(rows: list[dict]) -> dict:
+    return {key: statistics.median(r[key] for r in rows) for key in rows[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler's top operators")
+    args = parser.parse_args()
+
+    from agl.merged import MergedSampler
+
+    policy = load()
+    merged = MergedSampler(policy.model, policy.compute_dtype)
+    models = {"adapter": lambda: policy.model, "merged": merged.model}
+    decode = {name: [] for name in models}
+    engine = {name: [] for name in models}
+    update = {"fused": [], "model logits": []}
+    update_step(policy, fused=True)  # warm-up
+    for round_ in range(args.rounds):
+        print(f"round {round_ + 1}/{args.rounds}", flush=True)
+        for name, model in models.items():
+            decode[name].append(decode_steps(model(), steps=10))
+        for name in models:
+            engine[name].append(engine_split(policy, name))
+        for name in update:
+            update[name].append(update_step(policy, fused=name == "fused"))
+    if args.profile:
+        decode_steps(merged.model(), steps=1, profile=True)
+        update_step(policy, fused=True, profile=True)
+
+    result = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "decode_step_ms": {k: statistics.median(v) for k, v in decode.items()},
+        "engine": {k: median_of(v) for k, v in engine.items()},
+        "update_micro_batch": {k: median_of(v) for k, v in update.items()},
+    }
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "profile_step.json").write_text(json.dumps(result, indent=1))
+    (RESULTS / "profile_step.md").write_text(render(result))
+    print(render(result))
+
+
+def render(result: dict) -> str:
+    d, e, u = result["decode_step_ms"], result["engine"], result["update_micro_batch"]
+    lines = [
+        "# Step parts: alternatives side by side",
+        "",
+        f"{result['date']}. SmolLM2-135M-Instruct NF4 + LoRA r16, compute dtype auto, CPU. Medians of alternated rounds. "
+        "Written by `bench/profile_step.py`.",
+        "",
+        "| part | variant | ms or s |",
+        "|---|---|---:|",
+        *(f"| decode step, batch {BATCH}, {PROMPT}-token prompts | {k} | {v:.1f} ms |" for k, v in d.items()),
+        *(f"| engine, 4 prompts x 8 x {NEW_TOKENS} tokens | {k}: total / forward / sampling | "
+          f"{v['total_s']:.2f} / {v['forward_s']:.2f} / {v['sample_s']:.2f} s |" for k, v in e.items()),
+        *(f"| update micro-batch, 8 x {NEW_TOKENS} + {PROMPT} prompt | {k}: total / forward / backward | "
+          f"{v['step_s']:.2f} / {v['forward_s']:.2f} / {v['backward_s']:.2f} s |" for k, v in u.items()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
