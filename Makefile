@@ -31,6 +31,7 @@ bench: setup
 	$(BIN)/pip install --quiet -e ".[bench]"
 	PYTHONPATH=. $(BIN)/python bench/store.py
 	PYTHONPATH=. $(BIN)/python bench/serve.py
+	PYTHONPATH=. $(BIN)/python bench/profile_step.py
 	PYTHONPATH=. $(BIN)/python bench/grpo_vs_trl.py
 
 clean:
