@@ -30,7 +30,7 @@ from torch import nn
 
 
 class DenseLinear(nn.Module):
-    """``y = x @ W.T + b`` with W in the compute dtype; input and output keep x's dtype."""
+    """``y = x @ W.T + b`` with W and b in the compute dtype; input and output keep x's dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -38,40 +38,43 @@ class DenseLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.to(self.weight.dtype)
-        return nn.functional.linear(x.to(self.weight.dtype), self.weight, bias).to(x.dtype)
+        return nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
 
 
-def dense_weight(layer: nn.Module) -> torch.Tensor:
-    """The layer's effective weight in fp32: dequantized base plus the active LoRA deltas."""
+def dense_linear(layer: nn.Module, dtype: torch.dtype) -> DenseLinear:
+    """The layer as one dense matrix in ``dtype``: its dequantized base weight plus the
+    active LoRA deltas, summed in fp32 and rounded once."""
     from peft.tuners.lora import LoraLayer
     from peft.utils.integrations import dequantize_bnb_weight
 
-    base = layer.get_base_layer() if isinstance(layer, LoraLayer) else layer
+    lora = isinstance(layer, LoraLayer)
+    base = layer.get_base_layer() if lora else layer
     weight = base.weight
     if type(weight).__name__ in ("Params4bit", "Int8Params"):
         weight = dequantize_bnb_weight(weight, state=getattr(base, "state", None))
     weight = weight.detach().float()
-    if isinstance(layer, LoraLayer) and not layer.disable_adapters and not layer.merged:
+    if lora and not layer.disable_adapters and not layer.merged:
         for adapter in layer.active_adapters:
             if adapter in layer.lora_A:
                 weight = weight + layer.get_delta_weight(adapter).float()
-    return weight
+    bias = None if base.bias is None else base.bias.detach().to(dtype)
+    return DenseLinear(weight.to(dtype), bias)
 
 
-def linear_names(model: nn.Module) -> list[str]:
-    """Names of the layers to densify: every (possibly LoRA-wrapped, possibly quantized) linear
-    except the output embedding, which stays the policy's own fp32 tensor."""
+def dense_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The layers to densify, by name: every (possibly LoRA-wrapped, possibly quantized)
+    linear except the output embedding, which stays the policy's own fp32 tensor."""
     from peft.tuners.lora import LoraLayer
 
     output = model.get_output_embeddings()
-    names = []
-    for name, module in model.named_modules():
-        if module is output or ".base_layer" in name or ".lora_" in name:
-            continue
-        if isinstance(module, (LoraLayer, nn.Linear)):
-            names.append(name)
-    return names
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, (LoraLayer, nn.Linear))
+        and module is not output
+        and ".base_layer" not in name
+        and ".lora_" not in name
+    }
 
 
 class MergedSampler:
@@ -85,11 +88,9 @@ class MergedSampler:
     def __init__(self, peft_model: Any, compute_dtype: torch.dtype):
         self.source = peft_model.get_base_model()  # the HF model with LoRA layers injected
         self.compute_dtype = compute_dtype
-        self.names = linear_names(self.source)
-        self._dense = set(self.names)
+        self.layers = dense_layers(self.source)
         self.sampler = self._copy_tree(self.source, "")
         self._lora_params = [p for n, p in self.source.named_parameters() if ".lora_" in n]
-        self._lora_layers = [self.source.get_submodule(n) for n in self.names]
         self._fingerprint: tuple | None = None
 
     def _copy_tree(self, module: nn.Module, prefix: str) -> nn.Module:
@@ -97,24 +98,22 @@ class MergedSampler:
             return module  # a leaf that is not densified: shared
         clone = copy.copy(module)
         clone._modules = {
-            name: None if child is None else (child if f"{prefix}{name}" in self._dense else self._copy_tree(child, f"{prefix}{name}."))
+            name: None if child is None else (child if f"{prefix}{name}" in self.layers else self._copy_tree(child, f"{prefix}{name}."))
             for name, child in module._modules.items()
         }
         return clone
 
     def _lora_fingerprint(self) -> tuple:
         """Changes whenever a LoRA weight does (in-place updates bump a tensor's version), or
-        when the adapter is switched off (``Policy.reference``)."""
-        versions = tuple((p.data_ptr(), p._version) for p in self._lora_params)
-        return versions + tuple(getattr(layer, "disable_adapters", False) for layer in self._lora_layers[:1])
+        when the adapter is switched off (``Policy.reference``, which switches every layer)."""
+        first = next(iter(self.layers.values()), None)
+        return tuple((p.data_ptr(), p._version) for p in self._lora_params) + (getattr(first, "disable_adapters", False),)
 
     @torch.no_grad()
     def refresh(self) -> None:
-        for name, layer in zip(self.names, self._lora_layers):
-            base = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
-            bias = None if base.bias is None else base.bias.detach().to(self.compute_dtype)
+        for name, layer in self.layers.items():
             owner, _, attr = name.rpartition(".")
-            self.sampler.get_submodule(owner)._modules[attr] = DenseLinear(dense_weight(layer).to(self.compute_dtype), bias)
+            self.sampler.get_submodule(owner)._modules[attr] = dense_linear(layer, self.compute_dtype)
         self._fingerprint = self._lora_fingerprint()
 
     def model(self) -> nn.Module:
