@@ -17,10 +17,13 @@ class AppendInPlaceLayer(DynamicLayer):
     growth = 1.5
     slack = 64
 
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.buffers: list[torch.Tensor | None] = [None, None]  # keys', values' storage with room to grow
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-            self.buffers: list[torch.Tensor | None] = [None, None]
         self.keys = self._append(0, self.keys, key_states)
         self.values = self._append(1, self.values, value_states)
         return self.keys, self.values
