@@ -158,34 +158,41 @@ def _forward(policy: Policy, batch: TokenBatch, decoder_only: bool) -> torch.Ten
     """
     device = policy.device
     model = policy.model.get_base_model()
-    run = model.get_decoder() if decoder_only else model
-    pick = (lambda out: out.last_hidden_state) if decoder_only else (lambda out: out.logits)
+
+    def run(keep: int = 0, **inputs: Any) -> tuple[torch.Tensor, Any]:
+        """(the outputs, the model's return value); logits only for the last ``keep`` positions (0: all)."""
+        if decoder_only:
+            out = model.get_decoder()(**inputs)
+            return out.last_hidden_state, out
+        out = model(**inputs, logits_to_keep=keep)
+        return out.logits, out
+
     T = batch.completion_BT.shape[1]
     if batch.shared_prompt is None:
         attention = batch.attention_mask_BL.to(device)
-        out = run(
+        outputs, _ = run(
+            T + 1,  # the output at position t predicts token t+1
             input_ids=batch.input_ids_BL.to(device),
             attention_mask=attention,
             position_ids=(attention.cumsum(-1) - 1).clamp(min=0),
             use_cache=False,
-            **({} if decoder_only else {"logits_to_keep": T + 1}),  # the output at position t predicts token t+1
         )
-        return pick(out)[:, -T - 1 : -1]
+        return outputs[:, -T - 1 : -1]
     B, P = batch.completion_BT.shape[0], len(batch.shared_prompt)
-    prompt = run(input_ids=torch.tensor([batch.shared_prompt], device=device), use_cache=True, **({} if decoder_only else {"logits_to_keep": 1}))
+    prompt_outputs, prompt = run(1, input_ids=torch.tensor([batch.shared_prompt], device=device), use_cache=True)
     cache = prompt.past_key_values
     for layer in cache.layers:  # one prompt KV for every row; gradients from all rows sum into it
         layer.keys, layer.values = layer.keys.expand(B, -1, -1, -1), layer.values.expand(B, -1, -1, -1)
     attention = torch.cat([torch.ones((B, P), dtype=torch.long), batch.completion_attention_BT], dim=1).to(device)
-    out = run(
+    outputs, _ = run(
         input_ids=batch.completion_BT.to(device),
         attention_mask=attention,
         position_ids=torch.arange(P, P + T, device=device).expand(B, -1),
         past_key_values=cache,
         use_cache=True,
     )
-    first = pick(prompt)[:, -1:].expand(B, -1, -1)  # the prompt's last output predicts token 0
-    return torch.cat([first, pick(out)[:, :-1]], dim=1)
+    first = prompt_outputs[:, -1:].expand(B, -1, -1)  # the prompt's last output predicts token 0
+    return torch.cat([first, outputs[:, :-1]], dim=1)
 
 
 def fused_head(policy: Policy) -> torch.nn.Linear | None:
@@ -215,14 +222,16 @@ def completion_logprobs(policy: Policy, batch: TokenBatch, with_entropy: bool = 
         real_BT = batch.completion_attention_BT.to(device).bool()  # padding needs no vocabulary projection
         logp_N, entropy_N = token_logprobs(hidden_BTH[real_BT], head.weight, tokens_BT[real_BT], temperature_BT[real_BT])
         logp_BT = torch.zeros((B, T), device=device).masked_scatter(real_BT, logp_N)
-        entropy_BT = torch.zeros((B, T), device=device).masked_scatter(real_BT, entropy_N)
+        entropy_BT = torch.zeros((B, T), device=device).masked_scatter(real_BT, entropy_N) if with_entropy else None
     else:
         logits_BTV = _forward(policy, batch, decoder_only=False).float() / temperature_BT[..., None]
         logp_BT = logits_BTV.gather(-1, tokens_BT[..., None])[..., 0] - torch.logsumexp(logits_BTV, dim=-1)
-        with torch.no_grad():
-            log_probs = torch.log_softmax(logits_BTV, dim=-1)
-            entropy_BT = -(log_probs.exp() * log_probs).sum(-1)
-    return logp_BT.cpu(), (entropy_BT.detach().cpu() if with_entropy else None)
+        entropy_BT = None
+        if with_entropy:
+            with torch.no_grad():
+                log_probs = torch.log_softmax(logits_BTV, dim=-1)
+                entropy_BT = -(log_probs.exp() * log_probs).sum(-1)
+    return logp_BT.cpu(), (entropy_BT.detach().cpu() if entropy_BT is not None else None)
 
 
 class GRPOUpdate:
