@@ -28,22 +28,16 @@ import argparse
 import asyncio
 import datetime
 import json
-import resource
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+from bench.common import RESULTS, ROOT, gsm8k_prompts, load_model, peak_rss_mib, time_method
+
 GFLOP_PER_TOKEN = 0.27  # forward, 2 x 135M parameters; backward counted as 2 x forward
 B, G, NEW_TOKENS, LR, POOL = 4, 8, 128, 1e-5, 64
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def matmul_peak() -> dict:
@@ -63,15 +57,6 @@ def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
-
-
-def prompt_pool() -> list[dict]:
-    from omegaconf import OmegaConf
-
-    from tasks.gsm8k.data import load_split
-
-    template = OmegaConf.load(ROOT / "conf" / "task" / "gsm8k.yaml").prompts.cot
-    return [{**row, "prompt_text": template.format(question=row["question"])} for row in load_split("train")[:POOL]]
 
 
 # ----------------------------------------------------------------------------- agl worker
@@ -96,7 +81,7 @@ def run_agl(steps: int) -> dict:
         with tempfile.TemporaryDirectory() as run_dir:
             async with Runtime(cfg, run_dir) as rt:
                 trainer = GRPOTrainer(rt, cfg)
-                trainer.train_rows = prompt_pool()
+                trainer.train_rows = gsm8k_prompts("train", POOL)
                 trainer.cursor.n_rows = len(trainer.train_rows)
                 rows = []
                 for step in range(steps + 1):
@@ -128,20 +113,14 @@ def run_agl(steps: int) -> dict:
 def run_trl(steps: int, compute_dtype: str = "auto") -> dict:
     from collections import defaultdict
 
-    import torch
     from datasets import Dataset
-    from omegaconf import OmegaConf
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from agl.model import load_policy
     from tasks.gsm8k.scoring import reward as gsm8k_reward
 
-    model_cfg = OmegaConf.load(ROOT / "conf" / "model" / "smollm2.yaml")
-    model_cfg.cache_dir = os.path.expanduser(os.environ.get("AGL_CACHE", "~/.cache/agl"))
-    model_cfg.compute_dtype = compute_dtype
-    policy = load_policy(model_cfg, "cpu")  # the same NF4 base + fresh LoRA r16 as agl's
-    pool = prompt_pool()
+    policy = load_model("smollm2", compute_dtype)  # the same NF4 base + fresh LoRA r16 as agl's
+    pool = gsm8k_prompts("train", POOL)
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt_text"]}], "gold": r["gold"]} for r in pool])
 
     def reward_fn(completions, gold, **_):
@@ -176,11 +155,11 @@ def run_trl(steps: int, compute_dtype: str = "auto") -> dict:
             bf16=False, seed=0, dataloader_num_workers=0,
         )
         trainer = GRPOTrainer(model=policy.model, reward_funcs=reward_fn, args=args, train_dataset=dataset, processing_class=policy.tokenizer, callbacks=[StepTimer()])
-        _time_method(trainer, "_generate", "generate", timings)
-        _time_method(trainer, "_get_per_token_logps_and_entropies", "logps", timings)
-        _time_method(trainer, "training_step", "training_step", timings)
-        _time_method(trainer, "compute_loss", "compute_loss", timings)
-        _time_method(trainer, "_prepare_inputs", "prepare_inputs", timings)
+        time_method(trainer, "_generate", "generate", timings)
+        time_method(trainer, "_get_per_token_logps_and_entropies", "logps", timings)
+        time_method(trainer, "training_step", "training_step", timings)
+        time_method(trainer, "compute_loss", "compute_loss", timings)
+        time_method(trainer, "_prepare_inputs", "prepare_inputs", timings)
         original = trainer._generate
 
         def counting_generate(prompts):
@@ -193,19 +172,6 @@ def run_trl(steps: int, compute_dtype: str = "auto") -> dict:
         trainer._generate = counting_generate
         trainer.train()
     return {"steps": rows}
-
-
-def _time_method(obj, name: str, key: str, timings: dict) -> None:
-    method = getattr(obj, name)
-
-    def timed(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return method(*args, **kwargs)
-        finally:
-            timings[key] += time.perf_counter() - start
-
-    setattr(obj, name, timed)
 
 
 # ----------------------------------------------------------------------------- driver

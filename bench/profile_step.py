@@ -28,25 +28,12 @@ import random
 import statistics
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
+from bench.common import RESULTS, gsm8k_prompts, load_model, time_method
+
 BATCH, PROMPT, NEW_TOKENS = 32, 150, 128
-
-
-def load():
-    from omegaconf import OmegaConf
-
-    from agl.model import load_policy
-
-    cfg = OmegaConf.load(ROOT / "conf" / "model" / "smollm2.yaml")
-    cfg.cache_dir = os.path.expanduser(os.environ.get("AGL_CACHE", "~/.cache/agl"))
-    policy = load_policy(cfg, "cpu")
-    policy.model.eval()
-    return policy
 
 
 def decode_steps(model, steps: int, profile: bool = False) -> float:
@@ -54,59 +41,43 @@ def decode_steps(model, steps: int, profile: bool = False) -> float:
     from agl.kv_cache import append_in_place_cache
 
     gen = torch.Generator().manual_seed(0)
+    cache = append_in_place_cache()
+    mask = torch.ones(BATCH, PROMPT, dtype=torch.long)
+
+    def decode_one() -> float:
+        nonlocal mask
+        mask = torch.cat([mask, torch.ones(BATCH, 1, dtype=torch.long)], dim=1)
+        start = time.perf_counter()
+        model(
+            input_ids=torch.randint(100, 40000, (BATCH, 1), generator=gen), attention_mask=mask,
+            position_ids=torch.full((BATCH, 1), mask.shape[1] - 1), past_key_values=cache, use_cache=True, logits_to_keep=1,
+        )
+        return time.perf_counter() - start
+
     with torch.inference_mode():
-        cache = append_in_place_cache()
         model(input_ids=torch.randint(100, 40000, (BATCH, PROMPT), generator=gen), past_key_values=cache, use_cache=True, logits_to_keep=1)
-        mask = torch.ones(BATCH, PROMPT, dtype=torch.long)
-        times = []
-        for _ in range(steps + 2):
-            mask = torch.cat([mask, torch.ones(BATCH, 1, dtype=torch.long)], dim=1)
-            start = time.perf_counter()
-            model(
-                input_ids=torch.randint(100, 40000, (BATCH, 1), generator=gen), attention_mask=mask,
-                position_ids=torch.full((BATCH, 1), mask.shape[1] - 1), past_key_values=cache, use_cache=True, logits_to_keep=1,
-            )
-            times.append(time.perf_counter() - start)
+        times = [decode_one() for _ in range(steps + 2)]
         if profile:
             from torch.profiler import ProfilerActivity
             from torch.profiler import profile as torch_profile
 
             with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
-                mask = torch.cat([mask, torch.ones(BATCH, 1, dtype=torch.long)], dim=1)
-                model(input_ids=torch.randint(100, 40000, (BATCH, 1), generator=gen), attention_mask=mask,
-                      position_ids=torch.full((BATCH, 1), mask.shape[1] - 1), past_key_values=cache, use_cache=True, logits_to_keep=1)
+                decode_one()
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
     return 1000 * statistics.median(times[2:])
 
 
 def engine_split(policy, weights: str) -> dict:
     """4 GSM8K prompts x 8 samples x 128 tokens through the engine: forward vs sampling seconds."""
-    from omegaconf import OmegaConf
-
     from agl.engine import Engine, SamplingParams
-    from tasks.gsm8k.data import load_split
 
-    template = OmegaConf.load(ROOT / "conf" / "task" / "gsm8k.yaml").prompts.cot
-    prompts = [policy.render_chat([{"role": "user", "content": template.format(question=r["question"])}]) for r in load_split("train")[:4]]
+    prompts = [policy.render_chat([{"role": "user", "content": row["prompt_text"]}]) for row in gsm8k_prompts("train", 4)]
     timings: dict[str, float] = defaultdict(float)
 
-    class TimedEngine(Engine):
-        def _forward(self, *args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return super()._forward(*args, **kwargs)
-            finally:
-                timings["forward_s"] += time.perf_counter() - start
-
-        def _sample(self, *args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return super()._sample(*args, **kwargs)
-            finally:
-                timings["sample_s"] += time.perf_counter() - start
-
     async def run() -> None:
-        engine = TimedEngine(policy, weights=weights)
+        engine = Engine(policy, weights=weights)
+        time_method(engine, "_forward", "forward_s", timings)
+        time_method(engine, "_sample", "sample_s", timings)
         await engine.start()
         params = SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0, ignore_eos=True)
         start = time.perf_counter()
@@ -161,7 +132,8 @@ def main() -> None:
 
     from agl.merged import MergedSampler
 
-    policy = load()
+    policy = load_model()
+    policy.model.eval()
     merged = MergedSampler(policy.model, policy.compute_dtype)
     models = {"adapter": lambda: policy.model, "merged": merged.model}
     decode = {name: [] for name in models}

@@ -26,31 +26,20 @@ import asyncio
 import datetime
 import json
 import platform
-import resource
 import statistics
 import time
 from pathlib import Path
 
 import openai
 import torch
-from omegaconf import OmegaConf
 
 from agl.engine import Engine
 from agl.model import load_policy
 from agl.server import ModelServer
-from tasks.gsm8k.data import load_split
-
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
-
-
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-
+from bench.common import RESULTS, gsm8k_prompts, model_config, peak_rss_mib
 
 def gsm8k_messages(count: int) -> list[list[dict]]:
-    template = OmegaConf.load(ROOT / "conf" / "task" / "gsm8k.yaml").prompts.cot
-    return [[{"role": "user", "content": template.format(question=row["question"])}] for row in load_split("test")[:count]]
+    return [[{"role": "user", "content": row["prompt_text"]}] for row in gsm8k_prompts("test", count)]
 
 
 async def route_run(server: ModelServer, work: list[list[dict]], clients: int, new_tokens: int) -> dict:
@@ -96,7 +85,7 @@ def direct_run(policy, work: list[list[dict]], batch_size: int, new_tokens: int)
 
 
 async def main(args: argparse.Namespace) -> dict:
-    cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{args.model}.yaml")
+    cfg = model_config(args.model)
     policy = load_policy(cfg, "cpu")
     policy.model.eval()
     engine = Engine(policy, max_batch_size=max(64, max(args.clients)))
@@ -135,7 +124,7 @@ async def main(args: argparse.Namespace) -> dict:
         "new_tokens": args.new_tokens,
         "levels": levels,
         "repeats": args.repeats,
-        "peak_rss_mb": peak_rss_mb(),
+        "peak_rss_mb": peak_rss_mib(),
         "torch_threads": torch.get_num_threads(),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, CPU",
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
