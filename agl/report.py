@@ -9,7 +9,6 @@ summary instead (``agl.sweep.write_sweep_summary``).
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 from pathlib import Path
 from typing import Any

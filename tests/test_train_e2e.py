@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import OmegaConf
 
 from agl.adapter import spans_to_samples
 from agl.runtime import Runtime, succeeded
