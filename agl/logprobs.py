@@ -20,7 +20,8 @@ import torch
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, tokens_N, inv_temperature_N):
-        logits_NV = hidden_NH.float() @ weight_VH.float().t()  # [N, V]
+        dtype = torch.promote_types(hidden_NH.dtype, torch.float32)  # fp32, or fp64 for fp64 inputs
+        logits_NV = hidden_NH.to(dtype) @ weight_VH.to(dtype).t()  # [N, V]
         logits_NV.mul_(inv_temperature_N[:, None])
         logp_NV = logits_NV.sub_(torch.logsumexp(logits_NV, dim=-1, keepdim=True))  # in place: now log p
         token_logp_N = logp_NV.gather(1, tokens_N[:, None])[:, 0]
@@ -41,10 +42,11 @@ class _TokenLogprobs(torch.autograd.Function):
         grad_logits_NV = probs_NV.mul_(-scale_N[:, None])  # reuse the saved buffer: backward runs once
         grad_logits_NV.scatter_add_(1, tokens_N[:, None], scale_N[:, None])
         grad_hidden = grad_weight = None
+        dtype = grad_logits_NV.dtype
         if ctx.needs_input_grad[0]:
-            grad_hidden = (grad_logits_NV @ weight_VH.float()).to(hidden_NH.dtype)
+            grad_hidden = (grad_logits_NV @ weight_VH.to(dtype)).to(hidden_NH.dtype)
         if ctx.needs_input_grad[1]:
-            grad_weight = (grad_logits_NV.t() @ hidden_NH.float()).to(weight_VH.dtype)
+            grad_weight = (grad_logits_NV.t() @ hidden_NH.to(dtype)).to(weight_VH.dtype)
         return grad_hidden, grad_weight, None, None
 
 
@@ -52,10 +54,10 @@ def token_logprobs(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, tokens_N: t
     """(log-prob of each token, entropy of each row's distribution) under ``softmax(h W^T / T)``.
 
     Differentiable in ``hidden`` (and ``weight`` if it requires grad); the entropy is a
-    detached metric. Computed in fp32 whatever the input dtype.
+    detached metric. Computed in fp32 (fp64 for fp64 inputs) whatever the input dtype.
 
     >>> h, w = torch.tensor([[1.0]]), torch.tensor([[0.0], [1.0986123]])  # logits [0, ln 3]
     >>> [round(float(x), 3) for x in token_logprobs(h, w, torch.tensor([1]), torch.tensor([1.0]))]
     [-0.288, 0.562]
     """
-    return _TokenLogprobs.apply(hidden_NH, weight_VH, tokens_N, 1.0 / temperature_N.float())
+    return _TokenLogprobs.apply(hidden_NH, weight_VH, tokens_N, 1.0 / temperature_N.to(torch.promote_types(hidden_NH.dtype, torch.float32)))

@@ -1,7 +1,7 @@
 """The fused token log-prob op equals the plain tensor-op computation, in value and gradient."""
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from agl.logprobs import token_logprobs
@@ -22,6 +22,7 @@ def reference(hidden, weight, tokens, temperature):
     temperature=st.floats(0.2, 2.0),
     scale=st.floats(0.1, 20.0),
 )
+@example(n=3, hidden_size=3, vocab=38, seed=3, temperature=0.201171875, scale=5.0)  # failed when the op ran fp64 inputs in fp32
 @settings(max_examples=80, deadline=None)
 def test_value_entropy_and_gradients_match_the_plain_computation(n, hidden_size, vocab, seed, temperature, scale):
     gen = torch.Generator().manual_seed(seed)
