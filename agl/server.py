@@ -292,11 +292,13 @@ class ModelServer:
         """Earlier turns of this attempt: from memory, else (e.g. after a restart) from its spans."""
         turns = self.history.get(scope)
         if turns is None:
-            spans = await self.store.query_spans(*scope)
+            calls = [
+                s for s in await self.store.query_spans(*scope)
+                if s.name == "llm.chat" and s.prompt_token_ids and s.response_token_ids is not None
+            ]
             turns = [
                 Turn(list(s.prompt_token_ids), list(s.response_token_ids), decode(self.policy.tokenizer, s.prompt_token_ids))
-                for s in spans[-self.history.turns_per_attempt:]
-                if s.name == "llm.chat" and s.prompt_token_ids and s.response_token_ids is not None
+                for s in calls[-self.history.turns_per_attempt:]  # the last chat turns, whatever spans came between
             ]
             self.history.load(scope, turns)
         return turns

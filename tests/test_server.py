@@ -18,11 +18,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agl.chat import decode
+from agl.chat import History, decode
 from agl.engine import Engine
 from agl.model import load_policy
 from agl.server import ModelServer
 from agl.store import SqliteStore
+from agl.types import Span
 
 EOS = 2
 TIMEOUT = 60
@@ -278,7 +279,10 @@ def test_multi_turn_prompt_extends_the_exact_sampled_ids(served):
     assert span2.prompt_token_ids != served.policy.render_chat(conversation)  # what re-rendering would give
     assert decode(tok, span2.prompt_token_ids) == decode(tok, served.policy.render_chat(conversation))
 
-    # a server that did not see the first call (e.g. after a restart) finds it in the store
+    # a server that did not see the first call (e.g. after a restart) finds it in the store,
+    # even behind more metric spans than the history keeps turns
+    for i in range(History().turns_per_attempt + 1):
+        served.call(served.store.add_span(Span(rollout_id=rid, attempt_id=aid, name="metric", start_time=0.0, end_time=0.0, attributes={"name": "m", "value": i})))
     fresh = ModelServer(served.engine, served.policy, served.store)
     served.call(fresh.start())
     try:
