@@ -13,6 +13,7 @@ import random
 from collections import defaultdict
 from typing import Any, Sequence
 
+from agl.adapter import final_reward
 from agl.types import Rollout, RolloutStatus
 
 
@@ -23,9 +24,9 @@ async def rollout_scores(store: Any, rollouts: Sequence[Rollout]) -> list[dict]:
         row: dict[str, Any] = {"rollout_id": rollout.rollout_id, "status": str(rollout.status), "task_id": (rollout.metadata or {}).get("task_id")}
         if rollout.status == RolloutStatus.SUCCEEDED:
             spans = await store.query_spans(rollout.rollout_id, "latest")
-            rewards = [s for s in spans if s.name == "reward"]
-            if rewards:
-                row["reward"] = float(max(rewards, key=lambda s: s.sequence_id or 0).attributes["reward"])
+            reward = final_reward(spans)
+            if reward is not None:
+                row["reward"] = reward
             for span in spans:
                 if span.name == "metric":
                     row[span.attributes["name"]] = float(span.attributes["value"])
@@ -155,3 +156,22 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
     line = lambda values: "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"  # noqa: E731
     return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(line(r) for r in cells)])
+
+
+async def eval_during_training(rt: Any, cfg: Any, rows: Sequence[dict], step: int) -> dict[str, float]:
+    """The GRPO and SFT trainers' greedy evaluation after ``step`` updates, as ``eval/`` metrics.
+
+    Step 0 is the baseline before any update; it is also logged on its own (as step -1).
+    """
+    from agl.checkpoint import log_baseline  # here: `report=` uses this module without loading torch
+
+    if not rows:
+        return {}
+    summary = await evaluate(
+        rt, rows, resources=rt.task.resources_for(cfg.task.prompt),
+        sampling={"temperature": 0.0, "max_tokens": cfg.algo.max_tokens}, tag={"eval_step": step}, desc=f"eval@{step}",
+    )
+    metrics = {f"eval/{k}": v for k, v in summary.items()}
+    if step == 0:
+        await log_baseline(rt, metrics)
+    return metrics

@@ -26,9 +26,9 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from agl.checkpoint import TaskCursor, append_metrics, log_baseline, metrics_path, restore_checkpoint, save_checkpoint
+from agl.checkpoint import TaskCursor, append_metrics, metrics_path, restore_checkpoint, save_checkpoint
 from agl.errors import ConfigError
-from agl.evaluate import evaluate
+from agl.evaluate import eval_during_training
 from agl.runtime import Runtime
 
 
@@ -127,14 +127,14 @@ class SFTTrainer:
     async def train(self) -> dict:
         resumed = await self.restore()
         if not resumed:
-            await self._eval(0, baseline=True)
+            await eval_during_training(self.rt, self.cfg, self.eval_rows, 0)
         with tqdm(total=self.steps, initial=self.step, desc="sft", dynamic_ncols=True, disable=not self.cfg.progress) as bar:
             while self.step < self.steps:
                 metrics = await self.train_step()
                 done = self.step + 1
                 every = self.algo.eval_every
                 if done == self.steps or (every and done % every == 0):
-                    metrics.update(await self._eval(done))
+                    metrics.update(await eval_during_training(self.rt, self.cfg, self.eval_rows, done))
                 await save_checkpoint(self.rt, self.step, self.cursor, self.optimizer, metrics)
                 append_metrics(self.run_dir, metrics)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}")
@@ -169,19 +169,6 @@ class SFTTrainer:
             "examples": len(examples), "seq_len_mean": sum(len(ids) for ids, _ in examples) / len(examples),
             "time_update_s": time.perf_counter() - started,
         }
-
-    async def _eval(self, step: int, baseline: bool = False) -> dict:
-        if not self.eval_rows:
-            return {}
-        summary = await evaluate(
-            self.rt, self.eval_rows, resources=self.rt.task.resources_for(self.cfg.task.prompt),
-            sampling={"temperature": 0.0, "max_tokens": self.algo.max_tokens}, tag={"eval_step": step}, desc=f"eval@{step}",
-        )
-        metrics = {f"eval/{k}": v for k, v in summary.items()}
-        if baseline:  # before any update: logged as step -1, like GRPO's baseline
-            await log_baseline(self.rt, metrics)
-        return metrics
-
 
 async def train_sft(cfg: DictConfig, run_dir: Path) -> dict:
     async with Runtime(cfg, run_dir) as rt:

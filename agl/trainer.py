@@ -24,8 +24,8 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from agl.adapter import spans_to_samples
-from agl.checkpoint import TaskCursor, append_metrics, log_baseline, restore_checkpoint, save_checkpoint
-from agl.evaluate import evaluate
+from agl.checkpoint import TaskCursor, append_metrics, restore_checkpoint, save_checkpoint
+from agl.evaluate import eval_during_training
 from agl.grpo import GRPOConfig, GRPOUpdate, advantages
 from agl.runtime import Runtime, succeeded
 
@@ -134,20 +134,7 @@ class GRPOTrainer:
     async def _eval_if_due(self, step: int) -> dict:
         every = self.algo.eval_every
         due = step == 0 or (every and step % every == 0) or step == self.algo.steps
-        if not due or not self.eval_rows:
-            return {}
-        return {f"eval/{k}": v for k, v in (await self.evaluate(step)).items()}
-
-    async def evaluate(self, step: int) -> dict:
-        rt = self.rt
-        sampling = {"temperature": 0.0, "max_tokens": self.algo.max_tokens}
-        summary = await evaluate(
-            rt, self.eval_rows, resources=rt.task.resources_for(self.cfg.task.prompt), sampling=sampling,
-            tag={"eval_step": step}, desc=f"eval@{step}",
-        )
-        if step == 0:
-            await log_baseline(rt, {f"eval/{k}": v for k, v in summary.items()})
-        return summary
+        return await eval_during_training(self.rt, self.cfg, self.eval_rows, step) if due else {}
 
 
 async def train(cfg: DictConfig, run_dir: Path) -> dict:
