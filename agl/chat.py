@@ -248,12 +248,15 @@ class OutputAssembler:
         self.logprobs.append(logprob)
         if self.top_logprobs is not None:
             self.top_logprobs.append(list(top or []))
-        start = max(0, len(self.text) - self.holdback)  # a stop string may straddle old and new text
         if token_id in self.stop_token_ids:
             self.ended_on_stop_token = True
-            self.text += self.decoder.flush()
+            self._append(self.decoder.flush())
         else:
-            self.text += self.decoder.push(token_id)
+            self._append(self.decoder.push(token_id))
+
+    def _append(self, piece: str) -> None:
+        start = max(0, len(self.text) - self.holdback)  # a stop string may straddle old and new text
+        self.text += piece
         if self.stop_strings:
             self._find_stop(start)
 
@@ -267,10 +270,7 @@ class OutputAssembler:
     def finish(self) -> None:
         """The sequence ended (length, abort): decode any withheld partial character."""
         if not self.finished:
-            start = max(0, len(self.text) - self.holdback)
-            self.text += self.decoder.flush()
-            if self.stop_strings:
-                self._find_stop(start)
+            self._append(self.decoder.flush())
 
     def release(self, final: bool = False) -> Delta:
         """Text not yet handed out, with the tokens consumed since the last release.
