@@ -99,7 +99,6 @@ class Runner:
         except asyncio.TimeoutError:
             status, metadata = AttemptStatus.TIMEOUT, {"error": f"timed out after {rollout.config.timeout_seconds}s"}
         except asyncio.CancelledError:
-            heartbeat.cancel()
             raise  # shutting down: the store marks this session's attempts unresponsive on close
         except Exception as error:  # the agent's or a hook's fault, never the runner's end
             status = AttemptStatus.FAILED

@@ -82,7 +82,7 @@ class Runtime:
 
     def sampling_parameters(self, rollout: AttemptedRollout) -> dict:
         """Decoding settings handed to the agent through ``llm.sampling_parameters``."""
-        return dict((rollout.metadata or {}).get("sampling") or {})
+        return (rollout.metadata or {}).get("sampling") or {}  # the Runner hands the agent a copy
 
     def rollout_config(self) -> RolloutConfig:
         r = self.cfg.runner
