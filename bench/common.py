@@ -1,20 +1,15 @@
-"""What the benchmarks share: paths, peak RSS, the GSM8K prompts, the embedded policy, a method timer.
+"""What the benchmarks share: paths, the GSM8K prompts, the embedded policy, a method timer.
 
 Benchmarks run as scripts from the project root with ``PYTHONPATH=.`` (see each one's docstring).
 """
 from __future__ import annotations
 
-import resource
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
-
-
-def peak_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def gsm8k_prompts(split: str, count: int) -> list[dict]:

@@ -34,7 +34,8 @@ import sys
 import tempfile
 import time
 
-from bench.common import RESULTS, ROOT, gsm8k_prompts, load_model, peak_rss_mib, time_method
+from agl.jobs import peak_rss_mib
+from bench.common import RESULTS, ROOT, gsm8k_prompts, load_model, time_method
 
 GFLOP_PER_TOKEN = 0.27  # forward, 2 x 135M parameters; backward counted as 2 x forward
 B, G, NEW_TOKENS, LR, POOL = 4, 8, 128, 1e-5, 64

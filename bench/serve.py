@@ -34,9 +34,10 @@ import openai
 import torch
 
 from agl.engine import Engine
+from agl.jobs import peak_rss_mib
 from agl.model import load_policy
 from agl.server import ModelServer
-from bench.common import RESULTS, gsm8k_prompts, model_config, peak_rss_mib
+from bench.common import RESULTS, gsm8k_prompts, model_config
 
 def gsm8k_messages(count: int) -> list[list[dict]]:
     return [[{"role": "user", "content": row["prompt_text"]}] for row in gsm8k_prompts("test", count)]
