@@ -5,6 +5,10 @@ a live run) and its ``metrics.jsonl`` read; no model is loaded. Printed (and wri
 ``report.md``): the run summary, the best step, reward and accuracy by step, the slowest
 rollouts, failure counts by error; ``curves.png`` is redrawn. A sweep dir gets the sweep
 summary instead (``agl.sweep.write_sweep_summary``).
+
+Attempts cut short by the end of the harness (killed, or closed with work in flight) are
+not the agent's failures and used no retry (rule R7 in agl/store/rules.py): they are
+counted apart from retries, and listed apart from the agent's errors.
 """
 from __future__ import annotations
 
@@ -20,6 +24,10 @@ from agl.sweep import effective_status, is_sweep_dir, read_status, write_sweep_s
 
 SLOWEST = 5
 ACCURACY_HINTS = ("correct", "accuracy", "says_", "pass@", "format")
+HARNESS_ENDS = {  # attempts.metadata.harness_ended -> how the failures table shows them
+    "dead": "the harness died (not the agent's failure: rerun, no retry used)",
+    "closed": "the harness closed with it in flight (not the agent's failure: rerun, no retry used)",
+}
 
 
 def report(target: str | Path) -> dict:
@@ -43,7 +51,7 @@ def report_run(run_dir: Path, echo: bool = True) -> dict:
         ("best step", _best_section(rows)),
         ("reward and accuracy by step", _by_step_section(rows, data["step_summary"])),
         (f"slowest rollouts (top {SLOWEST})", _slowest_section(data["slowest"])),
-        ("failures by error", _failures_section(data["failures"])),
+        ("failures by error", _failures_section(data["failures"], data["harness_ends"])),
     ]
     plot = run_dir / "curves.png"
     if rows:
@@ -66,7 +74,12 @@ async def _read_store(path: Path) -> dict:
             return {
                 "rollouts_by_status": q("SELECT status, count(*) FROM rollouts GROUP BY status ORDER BY count(*) DESC"),
                 "rollouts_by_mode": q("SELECT coalesce(mode, '-'), count(*) FROM rollouts GROUP BY mode ORDER BY mode"),
-                "attempts": q("SELECT count(*), sum(sequence_id > 1) FROM attempts")[0],
+                # all attempts; retries = charged attempts beyond each rollout's first; harness-ended ones
+                "attempts": q(
+                    "SELECT count(*), coalesce(sum(charged), 0) - count(DISTINCT CASE WHEN charged THEN rollout_id END), "
+                    "coalesce(sum(NOT charged), 0) FROM (SELECT rollout_id, "
+                    "json_extract(metadata, '$.harness_ended') IS NULL AS charged FROM attempts)"
+                )[0],
                 "llm_calls": q("SELECT count(*), coalesce(sum(response_tokens), 0), avg(latency) FROM llm_calls")[0],
                 "time_span": q("SELECT min(start_time), max(end_time) FROM rollouts")[0],
                 "step_summary": q("SELECT step, rollouts, succeeded, failed, unfinished, retried FROM step_summary ORDER BY step"),
@@ -82,7 +95,12 @@ async def _read_store(path: Path) -> dict:
                 "failures": q(
                     "SELECT status, coalesce(json_extract(metadata, '$.error'), '(no error recorded)') AS error, count(*) "
                     "FROM attempts WHERE status NOT IN ('succeeded', 'preparing', 'running') "
+                    "AND json_extract(metadata, '$.harness_ended') IS NULL "
                     "GROUP BY status, error ORDER BY count(*) DESC"
+                ),
+                "harness_ends": q(
+                    "SELECT status, json_extract(metadata, '$.harness_ended') AS how, count(*) FROM attempts "
+                    "WHERE json_extract(metadata, '$.harness_ended') IS NOT NULL GROUP BY status, how ORDER BY count(*) DESC, how"
                 ),
             }
 
@@ -115,7 +133,7 @@ def _run_section(run_dir: Path, data: dict, rows: list[dict]) -> str:
          else None if algo.get("name") in ("eval", "prompt_search") else "no checkpoint yet"),
         ("rollouts", ", ".join(f"{n} {s}" for s, n in data["rollouts_by_status"]) or "none"),
         ("by mode", ", ".join(f"{n} {m}" for m, n in data["rollouts_by_mode"]) or "none"),
-        ("attempts", f"{data['attempts'][0]} ({data['attempts'][1] or 0} retries)"),
+        ("attempts", "{} ({} retries after agent failures, {} interrupted by the harness dying or closing)".format(*data["attempts"])),
         ("llm calls", f"{calls} calls, {tokens} tokens" + (f", {latency:.3f} s mean latency" if latency else "")),
         ("wall time", f"{end - start:.1f} s of rollouts" if start and end else None),
     ]
@@ -165,14 +183,16 @@ def _slowest_section(slowest: list[tuple]) -> str:
     return markdown_table(["rollout", "mode", "of", "attempt", "status", "seconds", "spans", "reward"], rows)
 
 
-def _failures_section(failures: list[tuple]) -> str:
-    if not failures:
+def _failures_section(failures: list[tuple], harness_ends: list[tuple]) -> str:
+    """The agent's failures by error, most frequent first, then the harness's ends."""
+    if not failures and not harness_ends:
         return "no failed attempts"
     merged: dict[tuple[str, str], int] = {}
     for status, error, n in failures:  # errors that differ only after their first line count together
         key = (status, _first_line(error))
         merged[key] = merged.get(key, 0) + n
     rows = sorted(([s, e, n] for (s, e), n in merged.items()), key=lambda r: -r[2])
+    rows += [[status, HARNESS_ENDS.get(how, f"the harness ended ({how})"), n] for status, how, n in harness_ends]
     return markdown_table(["status", "error", "attempts"], rows)
 
 

@@ -76,7 +76,7 @@ class RolloutStatus(StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
-    REQUEUING = "requeuing"  # back in the queue after a failed attempt
+    REQUEUING = "requeuing"  # back in the queue after a failed or interrupted attempt
 
 
 class AttemptStatus(StrEnum):
@@ -85,7 +85,7 @@ class AttemptStatus(StrEnum):
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     TIMEOUT = "timeout"  # ran longer than config.timeout_seconds
-    UNRESPONSIVE = "unresponsive"  # no heartbeat for config.unresponsive_seconds, or its process died
+    UNRESPONSIVE = "unresponsive"  # no heartbeat for config.unresponsive_seconds, or its harness ended (R7)
 
 
 TERMINAL_ROLLOUT_STATUSES = frozenset(
@@ -144,7 +144,8 @@ class Attempt(BaseModel):
     last_heartbeat_time: Optional[float] = None
     metadata: Optional[dict[str, Any]] = None
     session_id: Optional[str] = None
-    """The store session (process) that created the attempt; it owns it until it ends."""
+    """The store session (process) that owns the attempt: the one that created it, or
+    made it active again (rule R7 in agl/store/rules.py)."""
 
 
 class AttemptedRollout(Rollout):

@@ -2,8 +2,14 @@
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see harness.py: set before torch loads
+from pathlib import Path
+
 import pytest
+import pytest_asyncio
 from omegaconf import OmegaConf
+
+from agl.store import SqliteStore
+from store_helpers import FakeClock
 
 # The tiny random-weight Llama with the real SmolLM2 tokenizer (conf/model/tiny.yaml, resolved:
 # that file uses Hydra defaults, so it cannot be loaded on its own).
@@ -30,3 +36,21 @@ TINY_MODEL = {
 def tiny_model_cfg():
     """The `model` config of the tiny policy: `load_policy(tiny_model_cfg, "cpu")`. Read-only."""
     return OmegaConf.create(TINY_MODEL)
+
+
+# The store tests': a fake clock, a store file in tmp_path, and a store on both.
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def path(tmp_path: Path) -> Path:
+    return tmp_path / "run" / "store.sqlite"
+
+
+@pytest_asyncio.fixture
+async def store(path: Path, clock: FakeClock):
+    s = SqliteStore(path, clock=clock, watchdog_interval=None)
+    yield s
+    await s.close()

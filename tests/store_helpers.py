@@ -36,13 +36,41 @@ class FakeClock:
         return self.now
 
 
-def derive_rollout_status(attempt_status: str, sequence_id: int, config: dict) -> str:
-    """The rollout status the latest attempt implies (independent copy of rule R4)."""
+def pretend_dead(path: Path | str, session_id: str) -> None:
+    """Make a session look like its process died: point it at a pid that cannot exist."""
+    conn = sqlite3.connect(path)
+    try:
+        conn.execute("UPDATE sessions SET pid = 999999999 WHERE session_id = ?", (session_id,))
+        conn.commit()
+    finally:
+        conn.close()
+
+
+def abandon(store) -> None:
+    """Drop a store the way kill -9 would: its connection and thread go, its session
+    stays open in the file (for the next store to find dead, rule R7)."""
+    store._closed = True
+    store._worker.call(store._close_connection)
+    store._worker.shutdown()
+
+
+def derive_rollout_status(attempt_status: str, charged: int, config: dict, harness_ended: bool = False) -> str:
+    """The rollout status the latest attempt implies (independent copy of rules R4/R7).
+
+    `charged`: the rollout's attempts not cut short by a harness's end, the latest
+    included; `harness_ended`: the latest attempt was (its rollout is requeued free)."""
     if attempt_status in ("preparing", "running", "succeeded"):
         return attempt_status
-    if attempt_status in config.get("retry_condition", []) and sequence_id < config.get("max_attempts", 1):
+    if harness_ended:
+        return "requeuing"
+    if attempt_status in config.get("retry_condition", []) and charged < config.get("max_attempts", 1):
         return "requeuing"
     return "failed"
+
+
+def harness_ended(metadata_json: Optional[str]) -> Optional[str]:
+    """The R7 note of an attempt's raw metadata: 'dead' | 'closed' | None."""
+    return (json.loads(metadata_json) or {}).get("harness_ended") if metadata_json else None
 
 
 def check_invariants(path: Path | str, *, explicit_updates: bool = False) -> list[str]:
@@ -66,7 +94,8 @@ def check_invariants(path: Path | str, *, explicit_updates: bool = False) -> lis
         ).fetchall()
         attempts: dict[str, list[tuple]] = {}
         for row in conn.execute(
-            "SELECT rollout_id, sequence_id, status, end_time, session_id FROM attempts ORDER BY rollout_id, sequence_id"
+            "SELECT rollout_id, sequence_id, status, end_time, session_id, metadata FROM attempts "
+            "ORDER BY rollout_id, sequence_id"
         ):
             attempts.setdefault(row[0], []).append(row)
         closed_sessions = {r[0] for r in conn.execute("SELECT session_id FROM sessions WHERE closed_time IS NOT NULL")}
@@ -90,6 +119,8 @@ def check_invariants(path: Path | str, *, explicit_updates: bool = False) -> lis
                     problems.append(f"{rid}: attempt {a[1]} is {a[2]} but its session ended")
                 if (a[3] is None) != (a[2] in ACTIVE):
                     problems.append(f"{rid}: attempt {a[1]} {a[2]} with end_time {a[3]}")
+                if harness_ended(a[5]) and (a[2] != "unresponsive" or a[4] not in closed_sessions):
+                    problems.append(f"{rid}: attempt {a[1]} {a[2]} has a harness-ended note, session {a[4]}")
             if explicit_updates:
                 continue
             latest: Optional[tuple] = atts[-1] if atts else None
@@ -97,7 +128,8 @@ def check_invariants(path: Path | str, *, explicit_updates: bool = False) -> lis
                 if status != "queuing":
                     problems.append(f"{rid}: {status} without attempts")
                 continue
-            implied = derive_rollout_status(latest[2], latest[1], config)
+            charged = sum(1 for a in atts if not harness_ended(a[5]))
+            implied = derive_rollout_status(latest[2], charged, config, bool(harness_ended(latest[5])))
             if status not in TERMINAL and status != implied:
                 problems.append(f"{rid}: status {status}, latest attempt {latest[2]} implies {implied}")
             if status in ("succeeded", "failed") and status != implied:

@@ -1,6 +1,7 @@
 """Subprocess side of the store's multi-process and crash tests.
 
-    python tests/store_worker.py dequeue PATH      drain the queue after "go" on stdin
+    python tests/store_worker.py dequeue PATH      drain the queue after "go" on stdin, report,
+                                                   close after the next line (or EOF)
     python tests/store_worker.py crash PATH SEED    write forever, reporting each commit
     python tests/store_worker.py checkpoint PATH   save checkpoints forever
 
@@ -37,6 +38,8 @@ async def dequeue(path: str) -> None:
     while (attempted := await store.dequeue_rollout(worker_id=f"proc-{os.getpid()}")) is not None:
         got.append(attempted.rollout_id)
     say(json.dumps(got))
+    # Closing requeues the attempts still open (R7), so the parent says when.
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     await store.close()
 
 

@@ -4,13 +4,16 @@ The child (tests/store_worker.py) loops enqueue / dequeue / add_span / finish
 and prints a line after each commit. After `kill -9` we reopen the file and
 require: integrity_check ok, every reported commit present, every rollout's
 status consistent with its latest attempt, batches all-or-nothing, and the
-dead process's open attempts turned `unresponsive` and requeued or failed.
+dead process's open attempts turned `unresponsive` with the harness-ended note
+and their rollouts requeued without using up a retry (R7), max_attempts=1
+included: a kill -9 of the harness never fails a rollout.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import random
 import signal
 import sqlite3
@@ -89,9 +92,49 @@ def check_reported_commits(path: Path, events: list[str]) -> None:
         conn.close()
 
 
+def in_flight(path: Path, session_id: str) -> dict[str, int]:
+    """{attempt_id: the rollout's max_attempts} for the session's active attempts."""
+    conn = sqlite3.connect(path)
+    try:
+        return {
+            attempt_id: json.loads(config)["max_attempts"]
+            for attempt_id, config in conn.execute(
+                "SELECT a.attempt_id, r.config FROM attempts a JOIN rollouts r ON r.rollout_id = a.rollout_id "
+                "WHERE a.session_id = ? AND a.status IN ('preparing', 'running')",
+                (session_id,),
+            )
+        }
+    finally:
+        conn.close()
+
+
+def check_killed_attempts_not_charged(path: Path, killed: dict[str, int], pid: int) -> None:
+    """R7 after kill -9: the attempts in flight ended with the note, their rollouts requeued."""
+    conn = sqlite3.connect(path)
+    try:
+        for attempt_id in killed:
+            status, metadata, rollout_status = conn.execute(
+                "SELECT a.status, a.metadata, r.status FROM attempts a JOIN rollouts r ON r.rollout_id = a.rollout_id "
+                "WHERE a.attempt_id = ?",
+                (attempt_id,),
+            ).fetchone()
+            note = json.loads(metadata)
+            assert (status, note["harness_ended"], rollout_status) == ("unresponsive", "dead", "requeuing"), attempt_id
+            assert f"(pid {pid}) died" in note["error"]
+        # No rollout failed because of a kill: a failed one's latest attempt failed itself.
+        bad = conn.execute(
+            "SELECT rollout_id, attempt_status FROM latest_attempts "
+            "WHERE rollout_status = 'failed' AND attempt_status != 'failed'"
+        ).fetchall()
+        assert not bad, bad
+    finally:
+        conn.close()
+
+
 def test_sigkill_during_writes_loses_nothing_committed(tmp_path: Path):
     path = tmp_path / "store.sqlite"
     rng = random.Random(1234)
+    killed_single_try = 0  # killed attempts of rollouts with max_attempts=1: each would have failed before R7
     for round_ in range(4):
         child = Child("crash", str(path), str(round_))
         child.wait_for(1)
@@ -100,6 +143,8 @@ def test_sigkill_during_writes_loses_nothing_committed(tmp_path: Path):
         time.sleep(rng.uniform(0, 0.03))  # land anywhere, mid-transaction included
         events = child.kill()
         assert events
+        killed = in_flight(path, dead_session)
+        killed_single_try += sum(1 for n in killed.values() if n == 1)
 
         async def reopen() -> None:
             store = SqliteStore(path, watchdog_interval=None)  # reaps the dead session (R7)
@@ -114,6 +159,7 @@ def test_sigkill_during_writes_loses_nothing_committed(tmp_path: Path):
                 ).fetchone()[0]
                 conn.close()
                 assert closed == ("dead",) and active == 0
+                check_killed_attempts_not_charged(path, killed, child.proc.pid)
                 # The store is usable: drain the queue; the dead process's requeued
                 # rollouts come back as their next attempt.
                 requeued = {r.rollout_id for r in await store.query_rollouts(status="requeuing")}
@@ -132,6 +178,7 @@ def test_sigkill_during_writes_loses_nothing_committed(tmp_path: Path):
         # ... and after recovery, with nothing committed lost.
         check_reported_commits(path, events)
         assert check_invariants(path) == []
+    assert killed_single_try > 0, "the kills should have caught rollouts with max_attempts=1 in flight"
 
 
 def test_sigkill_during_checkpoint_keeps_a_whole_checkpoint(tmp_path: Path):

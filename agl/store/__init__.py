@@ -1,8 +1,9 @@
 """The run's store: one SQLite file per run (`<run dir>/store.sqlite`).
 
 `SqliteStore` is the LightningStore of the harness (agent-lightning v0.2 names
-and semantics). Status rules: `agl/store/rules.py`. Schema and views:
-`agl/store/schema.sql`. Guide and example queries: docs/store.md.
+and semantics). Status rules: `agl/store/rules.py` (also `charged_attempt_number`
+and `is_harness_ended`, for code that must not count harness crashes as tries).
+Schema and views: `agl/store/schema.sql`. Guide and example queries: docs/store.md.
 """
 
 from agl.store.store import ReadOnlyStoreError, SqliteStore

@@ -92,6 +92,14 @@ def unpack_logprobs(blob: Optional[bytes]) -> Optional[list[float]]:
     return _unpack("f", blob)
 
 
+# -- ids -----------------------------------------------------------------------
+
+
+def numbered_id(prefix: str, number: int) -> str:
+    """`ro-000001`: the store's ids number rows in its own order (see txn.py)."""
+    return f"{prefix}-{number:06d}"
+
+
 # -- rollouts ------------------------------------------------------------------
 
 ROLLOUT_COLUMNS = (
@@ -166,8 +174,11 @@ class RolloutRow:
 
 ATTEMPT_COLUMNS = (
     "rollout_id, attempt_id, sequence_id, status, start_time, end_time, worker_id, "
-    "last_heartbeat_time, metadata, session_id, timeout_at"
+    "last_heartbeat_time, metadata, session_id, timeout_at, deadline"
 )
+"""Columns read for an attempt; the last two let a read-only store apply R6 in memory (overdue.py)."""
+ATTEMPT_TIMEOUT_AT = 10
+ATTEMPT_DEADLINE = 11
 
 
 def attempt_from_row(r: Sequence[Any]) -> Attempt:

@@ -22,6 +22,7 @@ Durability settings (see docs/store.md for the argument):
 from __future__ import annotations
 
 import asyncio
+import re
 import sqlite3
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, TypeVar
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+# Version 1 differs only in its views, which are derived: installing the schema
+# recreates them, and a read-only reader can use version-1 views as they are
+# (their data holds no harness-ended notes, which only version-2 code writes).
+UPGRADABLE_VERSIONS = (0, 1)
+READABLE_VERSIONS = (1, SCHEMA_VERSION)
 Synchronous = Literal["NORMAL", "FULL"]
 T = TypeVar("T")
 
@@ -67,20 +73,24 @@ def connect(path: Path, *, readonly: bool, busy_timeout: float, synchronous: Syn
 
 
 def install_schema(conn: sqlite3.Connection) -> None:
-    """Create the tables/views if missing, atomically (two processes may race here)."""
+    """Create the tables if missing and (re)create the views, atomically: a new file
+    or an upgrade of an older version (two processes may race here; both end the same)."""
     version = conn.execute("PRAGMA user_version").fetchone()[0]
     if version == SCHEMA_VERSION:
         return
-    if version not in (0, SCHEMA_VERSION):
+    if version not in UPGRADABLE_VERSIONS:
         raise RuntimeError(f"store schema version {version} is not supported (expected {SCHEMA_VERSION})")
+    schema = schema_sql()
+    drop_views = "".join(f"DROP VIEW IF EXISTS {name};\n" for name in re.findall(r"CREATE VIEW IF NOT EXISTS (\w+)", schema))
     conn.executescript(
-        "BEGIN IMMEDIATE;\n" + schema_sql() + f"\nPRAGMA user_version={SCHEMA_VERSION};\nCOMMIT;"
+        "BEGIN IMMEDIATE;\n" + drop_views + schema + f"\nPRAGMA user_version={SCHEMA_VERSION};\nCOMMIT;"
     )
 
 
 def check_schema(conn: sqlite3.Connection) -> None:
+    """For read-only opens, which cannot upgrade."""
     version = conn.execute("PRAGMA user_version").fetchone()[0]
-    if version != SCHEMA_VERSION:
+    if version not in READABLE_VERSIONS:
         raise RuntimeError(f"store schema version {version} is not supported (expected {SCHEMA_VERSION})")
 
 

@@ -28,13 +28,13 @@ class ResourcesMixin:
         return ResourcesUpdate(resources_id=raw[0], resources=json.loads(raw[1]), create_time=raw[2], update_time=raw[3])
 
     def _add_resources_tx(self, tx: Tx, resources: dict[str, Any], resources_id: Optional[str]) -> ResourcesUpdate:
-        resources_id = resources_id or txn.new_resources_id()
+        version = tx.conn.execute("SELECT coalesce(max(version), 0) + 1 FROM resources").fetchone()[0]
+        resources_id = resources_id or txn.new_resources_id(tx.conn, version)
         if tx.conn.execute("SELECT 1 FROM resources WHERE resources_id = ?", (resources_id,)).fetchone():
             raise ValueError(f"Resources {resources_id!r} already exist")
         tx.conn.execute(
-            "INSERT INTO resources (resources_id, resources, version, create_time, update_time) "
-            "VALUES (?, ?, (SELECT coalesce(max(version), 0) + 1 FROM resources), ?, ?)",
-            (resources_id, dumps(resources), tx.now, tx.now),
+            "INSERT INTO resources (resources_id, resources, version, create_time, update_time) VALUES (?, ?, ?, ?, ?)",
+            (resources_id, dumps(resources), version, tx.now, tx.now),
         )
         return ResourcesUpdate(resources_id=resources_id, resources=resources, create_time=tx.now, update_time=tx.now)
 

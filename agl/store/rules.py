@@ -27,14 +27,21 @@ R3  Heartbeats. Every span is a heartbeat of the attempt it names: the attempt's
     terminal (this also pulls a rollout that was put back in the queue by hand out
     of the queue). Spans on other attempts, or on finished ones, change no status.
     `update_attempt(last_heartbeat_time=...)` is a heartbeat without a status change.
+    An `unresponsive` attempt revived so loses its harness-ended note and passes to
+    the session that wrote the span (R7).
 
 R4  Propagation. Only the latest attempt's status propagates to its rollout, each
-    time it is set (by `update_attempt`, a span, a deadline, a dead owner):
+    time it is set (by `update_attempt`, a span, a deadline, an ended session):
         preparing -> preparing,  running -> running,  succeeded -> succeeded,
-        failed | timeout | unresponsive ->
-            `requeuing` if that status is in `config.retry_condition` and
-            `attempt.sequence_id < config.max_attempts`, else `failed`.
-    `requeuing` puts the rollout at the back of the queue.
+        unresponsive because its session ended (R7) -> `requeuing`,
+        failed | timeout | unresponsive otherwise ->
+            `requeuing` if that status is in `config.retry_condition` and the
+            rollout's charged attempts (this one included) < `config.max_attempts`,
+            else `failed`.
+    An attempt is *charged* unless it carries the harness-ended note of R7: the
+    retry budget pays for the agent's tries, not for the harness's crashes. Without
+    harness deaths the charged count is `attempt.sequence_id`. `requeuing` puts the
+    rollout at the back of the queue.
 
 R5  Terminal is final. Entering succeeded, failed or cancelled sets the rollout's
     `end_time` and wakes `wait_for_rollouts`. Afterwards attempt changes are still
@@ -49,14 +56,29 @@ R6  Deadlines. An active attempt has two deadlines, copied from its rollout's
     deadline has passed, else `unresponsive`; then R4 applies. Attempts expiring
     together are handled in deadline order (ties: creation order), so their
     rollouts re-enter the queue in that order. `check_timeouts()`
-    enforces this; it runs in the watchdog, inside every dequeue and in every poll
-    of `wait_for_rollouts`, and costs one index probe when nothing is due.
+    enforces this; it runs in the watchdog, and before every dequeue, every read
+    (queries, lookups, each poll of `wait_for_rollouts`) of a writable store, so
+    no reader sees an attempt past its deadline as active; it costs one index
+    probe when nothing is due. Other writes (spans, `update_attempt`) do not apply
+    it first: a live worker's report that beats the watchdog counts. A read-only
+    store cannot write: it returns what R6 (then R4) would make of the attempts
+    past their deadline at its clock, and leaves the file as it is (overdue.py).
 
-R7  Dead owners. An attempt is owned by the store session (one open writable
-    `SqliteStore`, i.e. one process) that created it. When that session ends, by
-    `close()` or because its process died (noticed when a store opens the file,
-    and periodically by the watchdog), its active attempts become `unresponsive`
-    and R4 applies: they are retried or failed like any unresponsive attempt.
+R7  Ended sessions. An attempt is owned by the store session (one open writable
+    `SqliteStore`, i.e. one process: the harness) that created it. When that
+    session ends, by `close()` or because its process died (noticed when a store
+    opens the file, and periodically by the watchdog), its active attempts become
+    `unresponsive`, in creation order, with the harness-ended note merged into
+    their metadata: `{"harness_ended": "closed" | "dead", "error": "<why>"}`.
+    Such an attempt is not charged (R4): the agent did not fail, so its rollout
+    goes back to the queue (`requeuing`) whatever `retry_condition` and
+    `max_attempts` say, unless it is terminal (R5) or the attempt is not its
+    latest. A `kill -9` of the harness therefore costs the rollouts nothing. The
+    note describes how the attempt ended; any later status change of the attempt
+    (a revival by a span, R3, or `update_attempt(status=...)`) drops it, and the
+    attempt counts again. An attempt made active again by a session (R3, or
+    `update_attempt` to `preparing`/`running`) is owned by that session from then
+    on, so that R7 still covers it when its first owner is gone.
 
 R8  Explicit rollout updates. `update_rollout(status=s)` sets s as given and leaves
     the attempts alone. `queuing`/`requeuing` put a rollout that was not queued at
@@ -69,23 +91,36 @@ if it becomes active again (R3 revival of an `unresponsive` attempt).
 
 from __future__ import annotations
 
+from typing import Iterable, Literal, Optional
+
 from agl.types import (
     ACTIVE_ATTEMPT_STATUSES,
     QUEUED_ROLLOUT_STATUSES,
     TERMINAL_ROLLOUT_STATUSES,
+    Attempt,
     AttemptStatus,
     RolloutConfig,
     RolloutStatus,
 )
 
 __all__ = [
+    "HARNESS_ENDED",
     "rollout_status_for_attempt",
     "attempt_status_after_heartbeat",
     "expired_status",
+    "harness_ended_note",
+    "is_harness_ended",
+    "charged_attempt_number",
     "is_terminal",
     "is_queued",
     "is_active",
 ]
+
+HARNESS_ENDED = "harness_ended"
+"""Metadata key of R7's note. SQL reads it as `json_extract(metadata, '$.harness_ended')`
+(txn.py, the views in schema.sql, agl/report.py)."""
+
+SessionEnd = Literal["closed", "dead"]
 
 _DIRECT = {
     AttemptStatus.PREPARING: RolloutStatus.PREPARING,
@@ -95,13 +130,18 @@ _DIRECT = {
 
 
 def rollout_status_for_attempt(
-    status: AttemptStatus, sequence_id: int, config: RolloutConfig
+    status: AttemptStatus, charged_attempts: int, config: RolloutConfig, harness_ended: bool = False
 ) -> RolloutStatus:
-    """R4: the rollout status implied by the status of its latest attempt."""
+    """R4: the rollout status implied by the status of its latest attempt.
+
+    `charged_attempts`: the rollout's attempts without the harness-ended note, this
+    one included; `harness_ended`: this attempt just ended with its session (R7)."""
     direct = _DIRECT.get(status)
     if direct is not None:
         return direct
-    if status in config.retry_condition and sequence_id < config.max_attempts:
+    if harness_ended:
+        return RolloutStatus.REQUEUING
+    if status in config.retry_condition and charged_attempts < config.max_attempts:
         return RolloutStatus.REQUEUING
     return RolloutStatus.FAILED
 
@@ -118,6 +158,28 @@ def expired_status(timeout_at: float | None, now: float) -> AttemptStatus:
     if timeout_at is not None and timeout_at <= now:
         return AttemptStatus.TIMEOUT
     return AttemptStatus.UNRESPONSIVE
+
+
+def harness_ended_note(how: SessionEnd, pid: Optional[int]) -> dict[str, str]:
+    """R7: what is merged into the metadata of an attempt whose session ended."""
+    process = "the harness process" + ("" if pid is None else f" (pid {pid})")
+    why = "died" if how == "dead" else "closed its store"
+    return {HARNESS_ENDED: how, "error": f"{process} {why} while this attempt ran"}
+
+
+def is_harness_ended(attempt: Attempt) -> bool:
+    """Whether the attempt carries R7's note, i.e. is not charged (R4)."""
+    return bool(attempt.metadata) and attempt.metadata.get(HARNESS_ENDED) is not None  # type: ignore[union-attr]
+
+
+def charged_attempt_number(attempts: Iterable[Attempt], attempt: Attempt) -> int:
+    """The number of `attempt` among the agent's tries of its rollout: 1 + the charged
+    attempts before it in `attempts` (all attempts of the rollout, e.g. from
+    `store.query_attempts`). 1 for the first try; a rerun after a harness death gets
+    the number of the try it replaces, so anything derived from it (the model route's
+    sampling seeds) repeats what the interrupted try would have done. For the latest
+    attempt, while charged, it equals R4's count of charged attempts."""
+    return 1 + sum(1 for a in attempts if a.sequence_id < attempt.sequence_id and not is_harness_ended(a))
 
 
 def is_terminal(status: str) -> bool:

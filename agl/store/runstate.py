@@ -18,7 +18,7 @@ batch atomically. Resuming is therefore:
     done = await store.wait_for_rollouts([r.rollout_id for r in batch])
 
 Attempts the crashed process owned were already made `unresponsive` when the
-store reopened (rule R7), so they are requeued or failed by their config.
+store reopened (rule R7), and their rollouts requeued without using up a retry.
 
 Only the last `keep_checkpoints` checkpoints keep their blobs; older ones keep
 their JSON state and metrics, so the file does not grow with every step.

@@ -1,4 +1,5 @@
--- Schema of a run's store (<run dir>/store.sqlite), version 1 (PRAGMA user_version).
+-- Schema of a run's store (<run dir>/store.sqlite), version 2 (PRAGMA user_version).
+-- Version 2 changed only views (db.py upgrades version-1 files by recreating them).
 --
 -- One file holds everything a run needs to resume: the rollout queue and its
 -- attempts, every span (LLM calls with their token arrays, rewards), the
@@ -15,9 +16,11 @@
 
 -- One row per writable SqliteStore that opened the file (one per process).
 -- Attempts record the session that created them; when a session ends (close, or
--- its process is found dead) its active attempts become 'unresponsive' (rule R7).
+-- its process is found dead) its active attempts become 'unresponsive' with the
+-- note {"harness_ended": close_reason, "error": ...} in their metadata, and their
+-- rollouts go back to the queue without using up a retry (rule R7).
 CREATE TABLE IF NOT EXISTS sessions (
-    session_id          TEXT PRIMARY KEY,
+    session_id          TEXT PRIMARY KEY,  -- 'se-000001', ... in the order opened
     pid                 INTEGER NOT NULL,
     process_start_time  REAL,            -- guards against pid reuse
     hostname            TEXT NOT NULL,
@@ -30,7 +33,7 @@ CREATE INDEX IF NOT EXISTS sessions_open ON sessions(opened_time) WHERE closed_t
 -- Versioned named resources (e.g. {"llm": {...}, "policy_version": 3}).
 -- The latest resources are the ones added or updated last (highest version).
 CREATE TABLE IF NOT EXISTS resources (
-    resources_id  TEXT PRIMARY KEY,
+    resources_id  TEXT PRIMARY KEY,      -- given, or 'rs-' || the version it was added with
     resources     TEXT NOT NULL,         -- JSON object
     version       INTEGER NOT NULL,      -- bumped by add_resources / update_resources
     create_time   REAL NOT NULL,
@@ -40,7 +43,7 @@ CREATE INDEX IF NOT EXISTS resources_by_version ON resources(version);
 
 CREATE TABLE IF NOT EXISTS rollouts (
     seq            INTEGER PRIMARY KEY,  -- creation order
-    rollout_id     TEXT NOT NULL UNIQUE,
+    rollout_id     TEXT NOT NULL UNIQUE,  -- 'ro-' || seq, zero-padded: 'ro-000001'
     input          TEXT,                 -- JSON
     mode           TEXT,                 -- 'train' | 'val' | 'test' | NULL
     resources_id   TEXT REFERENCES resources(resources_id),
@@ -60,7 +63,7 @@ CREATE INDEX IF NOT EXISTS rollouts_status ON rollouts(status);
 CREATE INDEX IF NOT EXISTS rollouts_step ON rollouts(step) WHERE step IS NOT NULL;
 
 CREATE TABLE IF NOT EXISTS attempts (
-    attempt_id            TEXT PRIMARY KEY,
+    attempt_id            TEXT PRIMARY KEY,     -- 'at-000001-2': attempt 2 of 'ro-000001'
     rollout_id            TEXT NOT NULL REFERENCES rollouts(rollout_id),
     sequence_id           INTEGER NOT NULL,     -- 1, 2, ... within the rollout
     status                TEXT NOT NULL,
@@ -68,7 +71,7 @@ CREATE TABLE IF NOT EXISTS attempts (
     end_time              REAL,
     worker_id             TEXT,
     last_heartbeat_time   REAL,
-    metadata              TEXT,                 -- JSON object
+    metadata              TEXT,                 -- JSON object; $.harness_ended: see sessions
     session_id            TEXT REFERENCES sessions(session_id),  -- owner (rule R7)
     timeout_at            REAL,                 -- start_time + config.timeout_seconds
     unresponsive_seconds  REAL,                 -- config.unresponsive_seconds
@@ -142,18 +145,24 @@ CREATE TABLE IF NOT EXISTS metrics (
 
 -- Views ------------------------------------------------------------------------
 
--- Each rollout with its latest attempt.
+-- Each rollout with its latest attempt. harness_ended: 'dead' | 'closed' if that
+-- attempt was cut short by the end of its harness session (R7), else NULL.
 CREATE VIEW IF NOT EXISTS latest_attempts AS
 SELECT r.rollout_id, r.step, r.mode, r.status AS rollout_status,
        a.attempt_id, a.sequence_id, a.status AS attempt_status, a.worker_id,
-       a.session_id, a.start_time, a.end_time, a.last_heartbeat_time
+       a.session_id, a.start_time, a.end_time, a.last_heartbeat_time,
+       json_extract(a.metadata, '$.harness_ended') AS harness_ended
 FROM rollouts r
 JOIN attempts a ON a.rollout_id = r.rollout_id AND a.sequence_id = r.num_attempts;
 
 -- Each rollout with its final reward: the value of the last 'reward' span of its
--- latest attempt (NULL if that attempt wrote none).
+-- latest attempt (NULL if that attempt wrote none). interrupted_attempts: its
+-- attempts cut short by a harness death or close (R7; they use no retry).
 CREATE VIEW IF NOT EXISTS rollout_rewards AS
 SELECT r.rollout_id, r.step, r.mode, r.status, r.resources_id, r.num_attempts,
+       (SELECT count(*) FROM attempts h
+         WHERE h.rollout_id = r.rollout_id AND json_extract(h.metadata, '$.harness_ended') IS NOT NULL)
+         AS interrupted_attempts,
        r.start_time, r.end_time,
        (SELECT json_extract(s.attributes, '$.reward') FROM spans s
          WHERE s.rollout_id = r.rollout_id AND s.attempt_id = a.attempt_id AND s.name = 'reward'
@@ -161,7 +170,9 @@ SELECT r.rollout_id, r.step, r.mode, r.status, r.resources_id, r.num_attempts,
 FROM rollouts r
 LEFT JOIN attempts a ON a.rollout_id = r.rollout_id AND a.sequence_id = r.num_attempts;
 
--- One row per training step (rollouts with metadata.step).
+-- One row per training step (rollouts with metadata.step). retried: rollouts the
+-- agent tried more than once (retries after agent failures, R4); interrupted:
+-- rollouts rerun because a harness died or closed under them (R7).
 CREATE VIEW IF NOT EXISTS step_summary AS
 SELECT step,
        count(*)                                                    AS rollouts,
@@ -169,7 +180,8 @@ SELECT step,
        sum(status = 'failed')                                      AS failed,
        sum(status = 'cancelled')                                   AS cancelled,
        sum(status NOT IN ('succeeded', 'failed', 'cancelled'))     AS unfinished,
-       sum(num_attempts > 1)                                       AS retried,
+       sum(num_attempts - interrupted_attempts > 1)                AS retried,
+       sum(interrupted_attempts > 0)                               AS interrupted,
        count(reward)                                               AS rewarded,
        avg(reward)                                                 AS mean_reward,
        min(reward)                                                 AS min_reward,
@@ -180,9 +192,10 @@ FROM rollout_rewards
 WHERE step IS NOT NULL
 GROUP BY step;
 
--- Every attempt with its duration and span count.
+-- Every attempt with its duration and span count (harness_ended as in latest_attempts).
 CREATE VIEW IF NOT EXISTS attempt_durations AS
 SELECT a.rollout_id, a.attempt_id, a.sequence_id, a.status, a.worker_id, a.session_id,
+       json_extract(a.metadata, '$.harness_ended') AS harness_ended,
        a.start_time, a.end_time,
        a.end_time - a.start_time                  AS duration,
        a.last_heartbeat_time - a.start_time       AS last_heartbeat_after,

@@ -1,22 +1,27 @@
 """Store sessions: which process owns which attempts (rule R7 in rules.py).
 
-Every writable `SqliteStore` registers a session row (uuid, pid, the process's
-start time, hostname). Attempts record the session that created them. A
-session whose process is gone — checked by pid *and* process start time, so a
-recycled pid does not look alive — is dead, and its active attempts are
-orphans that nobody will ever finish; the store marks them `unresponsive`.
+Every writable `SqliteStore` registers a session row (`se-000001`, numbered in
+the file's order like the other ids; pid, the process's start time, hostname).
+Attempts record the session that owns them. A session whose process is gone —
+checked by pid *and* process start time, so a recycled pid does not look alive —
+is dead, and its active attempts are orphans that nobody will ever finish; the
+store ends the session for it (R7: they become `unresponsive`, their rollouts
+go back to the queue uncharged; txn.end_session).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import sqlite3
 import time
-import uuid
 from dataclasses import dataclass
+from typing import Optional
 
 import psutil
+
+from agl.store.codec import numbered_id
 
 # Process start times come from /proc with a resolution of clock ticks; allow
 # for rounding when comparing the recorded one with the live one.
@@ -25,7 +30,7 @@ _START_TIME_TOLERANCE = 1.0
 
 @dataclass(frozen=True)
 class SessionInfo:
-    session_id: str
+    session_id: Optional[str]  # None until registered
     pid: int
     process_start_time: float | None
     hostname: str
@@ -39,21 +44,23 @@ def _process_start_time(pid: int) -> float | None:
 
 
 def current_session() -> SessionInfo:
+    """This process, as a session still to be registered."""
     pid = os.getpid()
     return SessionInfo(
-        session_id="se-" + uuid.uuid4().hex[:16],
-        pid=pid,
-        process_start_time=_process_start_time(pid),
-        hostname=socket.gethostname(),
+        session_id=None, pid=pid, process_start_time=_process_start_time(pid), hostname=socket.gethostname()
     )
 
 
-def register(conn: sqlite3.Connection, session: SessionInfo) -> None:
+def register(conn: sqlite3.Connection, session: SessionInfo) -> SessionInfo:
+    """Insert the session (inside a write transaction) under the next free number."""
+    number = conn.execute("SELECT coalesce(max(rowid), 0) + 1 FROM sessions").fetchone()[0]
+    session = dataclasses.replace(session, session_id=numbered_id("se", number))
     conn.execute(
         "INSERT INTO sessions (session_id, pid, process_start_time, hostname, opened_time) "
         "VALUES (?, ?, ?, ?, ?)",
         (session.session_id, session.pid, session.process_start_time, session.hostname, time.time()),
     )
+    return session
 
 
 def mark_closed(conn: sqlite3.Connection, session_id: str, reason: str) -> None:

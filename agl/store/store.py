@@ -161,7 +161,7 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
             return
         db.install_schema(self._conn)
         with db.write_transaction(self._conn):
-            sessions.register(self._conn, self.session)  # type: ignore[arg-type]
+            self.session = sessions.register(self._conn, self.session)  # type: ignore[arg-type]
         self._reap_dead_sessions()
 
     def _close_connection(self) -> None:
@@ -171,7 +171,8 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
 
     async def close(self) -> None:
         """Stop the watchdog, end this session (R7: its active attempts become
-        unresponsive) and close the file. Idempotent."""
+        unresponsive and their rollouts go back to the queue, uncharged) and close
+        the file. Idempotent."""
         if self._closed:
             return
         await self.stop_watchdog()
@@ -190,8 +191,7 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
             self._close_connection()
 
     def _end_session_tx(self, tx: Tx) -> None:
-        txn.orphan_session_attempts(tx, self.session_id)  # type: ignore[arg-type]
-        sessions.mark_closed(tx.conn, self.session_id, "closed")  # type: ignore[arg-type]
+        txn.end_session(tx, self.session_id, "closed")  # type: ignore[arg-type]
 
     async def __aenter__(self) -> "SqliteStore":
         if not self.readonly and self._watchdog_interval is not None:
@@ -232,11 +232,14 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
         return await self._worker.run(self._durable_write_sync if durable else self._write_sync, fn, *args)
 
     def _read_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        if not self.readonly:
+            self._expire_due()  # R6 before every read: nobody sees an overdue attempt as active
         with db.read_transaction(self._conn):
             return fn(self._conn, *args)
 
     async def _read(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(conn, *args)` in one read transaction (a consistent snapshot)."""
+        """Run `fn(conn, *args)` in one read transaction (a consistent snapshot), after
+        applying due deadlines if the store is writable (R6)."""
         self._check_open()
         return await self._worker.run(self._read_sync, fn, *args)
 
@@ -360,14 +363,18 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
         """Create the next attempt of a rollout on demand (R2: an explicit retry)."""
         return await self._write(self._start_attempt_tx, rollout_id, worker_id)
 
-    @staticmethod
     def _query_rollouts(
-        conn: Any, statuses: Optional[list[str]], rollout_ids: Optional[list[str]], step: Optional[int]
+        self, conn: Any, statuses: Optional[list[str]], rollout_ids: Optional[list[str]], step: Optional[int]
     ) -> list[Rollout]:
+        view = self._overdue_view(conn)
         where, params = [], []
         if statuses is not None:
-            where.append("status IN (SELECT value FROM json_each(?))")
+            clause = "status IN (SELECT value FROM json_each(?))"
             params.append(dumps(statuses))
+            if view.rollouts:  # read-only: their status as shown may not be the stored one
+                clause = f"({clause} OR rollout_id IN (SELECT value FROM json_each(?)))"
+                params.append(dumps(list(view.rollouts)))
+            where.append(clause)
         if rollout_ids is not None:
             where.append("rollout_id IN (SELECT value FROM json_each(?))")
             params.append(dumps(rollout_ids))
@@ -377,7 +384,10 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
         sql = f"SELECT {ROLLOUT_COLUMNS} FROM rollouts"
         if where:
             sql += " WHERE " + " AND ".join(where)
-        return [RolloutRow(raw).to_model() for raw in conn.execute(sql + " ORDER BY seq", params)]
+        found = [view.rollout(RolloutRow(raw)) for raw in conn.execute(sql + " ORDER BY seq", params)]
+        if statuses is None or not view.rollouts:
+            return found
+        return [r for r in found if r.status in statuses]
 
     async def query_rollouts(
         self,
@@ -401,7 +411,7 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
 
         def read(conn: Any) -> Optional[Rollout]:
             row = txn.find_rollout(conn, rollout_id)
-            return None if row is None else row.to_model()
+            return None if row is None else self._overdue_view(conn, [rollout_id]).rollout(row)
 
         return await self._read(read)
 
@@ -465,7 +475,8 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
                 f"SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE rollout_id = ? ORDER BY sequence_id",
                 (rollout_id,),
             )
-            return [attempt_from_row(r) for r in rows]
+            view = self._overdue_view(conn, rollout_ids=[])  # attempts only
+            return [view.attempt(r) for r in rows]
 
         return await self._read(read)
 
@@ -476,7 +487,7 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
             row = txn.get_rollout(conn, rollout_id)
             if row.num_attempts == 0:
                 return None
-            return attempt_from_row(txn.get_attempt_row(conn, row, "latest"))
+            return self._overdue_view(conn, rollout_ids=[]).attempt(txn.get_attempt_row(conn, row, "latest"))
 
         return await self._read(read)
 
@@ -543,15 +554,9 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
         # R3: the span is a heartbeat; it may revive the latest attempt.
         is_latest = attempt_seq == num_attempts
         new_status = rules.attempt_status_after_heartbeat(AttemptStatus(attempt_status), is_latest)
+        conn.execute("UPDATE attempts SET last_heartbeat_time = ? WHERE attempt_id = ?", (tx.now, span.attempt_id))
         if new_status != attempt_status:
-            conn.execute(
-                "UPDATE attempts SET last_heartbeat_time = ?, status = ?, end_time = NULL WHERE attempt_id = ?",
-                (tx.now, new_status.value, span.attempt_id),
-            )
-        else:
-            conn.execute(
-                "UPDATE attempts SET last_heartbeat_time = ? WHERE attempt_id = ?", (tx.now, span.attempt_id)
-            )
+            txn.set_attempt_status(tx, span.attempt_id, new_status)
         if sequence_id > last_span_seq:
             conn.execute(
                 "UPDATE rollouts SET last_span_seq = ? WHERE rollout_id = ?", (sequence_id, span.rollout_id)

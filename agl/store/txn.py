@@ -6,20 +6,28 @@ the transaction, and the list of rollouts that became terminal (so the store
 can wake waiters after COMMIT, never before). All of them run on the store's
 worker thread inside `BEGIN IMMEDIATE`, and each touches a bounded number of
 rows through an index: nothing here scans a table.
+
+Ids are not random: they number rows in the store's own order (`ro-000001`,
+its attempts `at-000001-1`, `at-000001-2`, resources `rs-000001`), so two runs
+making the same calls get the same ids and anything keyed by them (sampling
+seeds, reports, diffs of two stores) agrees. The write lock of `BEGIN
+IMMEDIATE` makes "the next number" unique across processes sharing the file.
 """
 
 from __future__ import annotations
 
-import secrets
 import sqlite3
 from typing import Any, Optional
 
-from agl.store import rules
+from agl.store import rules, sessions
 from agl.store.codec import (
     ATTEMPT_COLUMNS,
     ROLLOUT_COLUMNS,
     RolloutRow,
     attempt_from_row,
+    dumps,
+    loads_or_none,
+    numbered_id,
 )
 from agl.types import Attempt, AttemptStatus, RolloutConfig, RolloutStatus
 
@@ -40,16 +48,23 @@ class Tx:
         self.finished: list[str] = []  # rollouts that entered a terminal status
 
 
-def new_rollout_id() -> str:
-    return "ro-" + secrets.token_hex(8)
+# -- ids -----------------------------------------------------------------------
 
 
-def new_attempt_id() -> str:
-    return "at-" + secrets.token_hex(8)
+def attempt_id_for(rollout_id: str, sequence_id: int) -> str:
+    """`at-000001-2`: attempt 2 of rollout `ro-000001`."""
+    return f"at-{rollout_id.removeprefix('ro-')}-{sequence_id}"
 
 
-def new_resources_id() -> str:
-    return "rs-" + secrets.token_hex(8)
+def new_resources_id(conn: sqlite3.Connection, version: int) -> str:
+    """`rs-<version it is created with>`; resources may also be given explicit ids,
+    so a number already taken by one gets a suffix (still a function of the store)."""
+    base = candidate = numbered_id("rs", version)
+    suffix = 1
+    while conn.execute("SELECT 1 FROM resources WHERE resources_id = ?", (candidate,)).fetchone():
+        suffix += 1
+        candidate = f"{base}-{suffix}"
+    return candidate
 
 
 # -- lookups -------------------------------------------------------------------
@@ -132,30 +147,54 @@ def set_rollout_status(tx: Tx, rollout_id: str, current: str, new: RolloutStatus
         )
 
 
-def propagate(tx: Tx, rollout: RolloutRow, attempt_sequence_id: int, attempt_status: str) -> None:
+# R7's note, as SQL. Not charged = carries it; a status change drops it (with the
+# error it explains), since the note only describes how the attempt ended.
+CHARGED = f"json_extract(metadata, '$.{rules.HARNESS_ENDED}') IS NULL"
+DROP_NOTE = (
+    f"metadata = CASE WHEN {CHARGED} THEN metadata "
+    f"ELSE json_remove(metadata, '$.{rules.HARNESS_ENDED}', '$.error') END"
+)
+
+
+def charged_attempts(conn: sqlite3.Connection, rollout_id: str) -> int:
+    """R4's count: the rollout's attempts without the harness-ended note (a handful of
+    rows, found through the UNIQUE (rollout_id, sequence_id) index)."""
+    return conn.execute(f"SELECT count(*) FROM attempts WHERE rollout_id = ? AND {CHARGED}", (rollout_id,)).fetchone()[0]
+
+
+def propagate(
+    tx: Tx, rollout: RolloutRow, attempt_sequence_id: int, attempt_status: str, harness_ended: bool = False
+) -> None:
     """R4 + R5: carry the latest attempt's status to a non-terminal rollout."""
     if attempt_sequence_id != rollout.num_attempts or rules.is_terminal(rollout.status):
         return
-    target = rules.rollout_status_for_attempt(AttemptStatus(attempt_status), attempt_sequence_id, rollout.config)
+    target = rules.rollout_status_for_attempt(
+        AttemptStatus(attempt_status), charged_attempts(tx.conn, rollout.rollout_id), rollout.config, harness_ended
+    )
     set_rollout_status(tx, rollout.rollout_id, rollout.status, target)
 
 
 def set_attempt_status(tx: Tx, attempt_id: str, status: AttemptStatus) -> tuple[Any, ...]:
-    """Set an attempt's status and end_time; returns the updated row (ATTEMPT_COLUMNS)."""
+    """Set an attempt's status and end_time, dropping R7's note; an attempt made active
+    again passes to this session (R7); returns the updated row (ATTEMPT_COLUMNS)."""
     if rules.is_active(status):
-        sql = f"UPDATE attempts SET status = ?, end_time = NULL WHERE attempt_id = ? RETURNING {ATTEMPT_COLUMNS}"
-        params: tuple[Any, ...] = (status.value, attempt_id)
+        sql = (
+            f"UPDATE attempts SET status = ?, end_time = NULL, {DROP_NOTE}, "
+            "session_id = CASE WHEN status IN ('preparing', 'running') THEN session_id ELSE ? END "
+            f"WHERE attempt_id = ? RETURNING {ATTEMPT_COLUMNS}"
+        )
+        params: tuple[Any, ...] = (status.value, tx.session_id, attempt_id)
     else:
         sql = (
-            "UPDATE attempts SET status = ?, end_time = coalesce(end_time, ?) "
+            f"UPDATE attempts SET status = ?, end_time = coalesce(end_time, ?), {DROP_NOTE} "
             f"WHERE attempt_id = ? RETURNING {ATTEMPT_COLUMNS}"
         )
         params = (status.value, tx.now, attempt_id)
     return tx.conn.execute(sql, params).fetchone()
 
 
-def finish_attempt_by_store(tx: Tx, attempt_id: str, rollout_id: str, status: AttemptStatus) -> Attempt:
-    """A status the store itself decides (R6 deadline, R7 dead owner), then R4."""
+def expire_attempt(tx: Tx, attempt_id: str, rollout_id: str, status: AttemptStatus) -> Attempt:
+    """R6: the status a deadline gives, then R4."""
     raw = set_attempt_status(tx, attempt_id, status)
     propagate(tx, get_rollout(tx.conn, rollout_id), raw[2], raw[3])
     return attempt_from_row(raw)
@@ -175,11 +214,13 @@ def insert_rollout(
     status: RolloutStatus,
     queue_seq: Optional[int],
 ) -> RolloutRow:
+    # seq is the INTEGER PRIMARY KEY, so max(seq) is one b-tree probe; rollouts are never deleted.
+    seq = tx.conn.execute("SELECT coalesce(max(seq), 0) + 1 FROM rollouts").fetchone()[0]
     raw = (
-        new_rollout_id(), input_json, mode, resources_id, status.value, config_json, metadata_json,
+        numbered_id("ro", seq), input_json, mode, resources_id, status.value, config_json, metadata_json,
         tx.now, None, 0, 0, queue_seq,
     )
-    tx.conn.execute(f"INSERT INTO rollouts ({ROLLOUT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?)", raw)
+    tx.conn.execute(f"INSERT INTO rollouts (seq, {ROLLOUT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", (seq, *raw))
     return RolloutRow(raw)
 
 
@@ -193,7 +234,7 @@ def create_attempt(tx: Tx, rollout: RolloutRow, worker_id: Optional[str]) -> Att
     sequence_id = rollout.num_attempts + 1
     attempt = Attempt(
         rollout_id=rollout.rollout_id,
-        attempt_id=new_attempt_id(),
+        attempt_id=attempt_id_for(rollout.rollout_id, sequence_id),
         sequence_id=sequence_id,
         start_time=tx.now,
         status=AttemptStatus.PREPARING,
@@ -245,16 +286,26 @@ def expire_due_attempts(tx: Tx) -> list[Attempt]:
             return changed
         for attempt_id, rollout_id, timeout_at in rows:
             status = rules.expired_status(timeout_at, tx.now)
-            changed.append(finish_attempt_by_store(tx, attempt_id, rollout_id, status))
+            changed.append(expire_attempt(tx, attempt_id, rollout_id, status))
 
 
-def orphan_session_attempts(tx: Tx, session_id: str) -> list[Attempt]:
-    """R7: the active attempts of an ended session become unresponsive."""
+def end_session(tx: Tx, session_id: str, how: rules.SessionEnd) -> list[Attempt]:
+    """R7: close the session; its active attempts become unresponsive, uncharged."""
+    raw_pid = tx.conn.execute("SELECT pid FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+    note = rules.harness_ended_note(how, None if raw_pid is None else raw_pid[0])
     rows = tx.conn.execute(
-        "SELECT attempt_id, rollout_id FROM attempts WHERE session_id = ? AND status IN ('preparing', 'running')",
+        "SELECT attempt_id, rollout_id, metadata FROM attempts "
+        "WHERE session_id = ? AND status IN ('preparing', 'running') ORDER BY rowid",
         (session_id,),
     ).fetchall()
-    return [
-        finish_attempt_by_store(tx, attempt_id, rollout_id, AttemptStatus.UNRESPONSIVE)
-        for attempt_id, rollout_id in rows
-    ]
+    changed = []
+    for attempt_id, rollout_id, metadata in rows:
+        raw = tx.conn.execute(
+            "UPDATE attempts SET status = ?, end_time = coalesce(end_time, ?), metadata = ? "
+            f"WHERE attempt_id = ? RETURNING {ATTEMPT_COLUMNS}",
+            (AttemptStatus.UNRESPONSIVE.value, tx.now, dumps({**(loads_or_none(metadata) or {}), **note}), attempt_id),
+        ).fetchone()
+        propagate(tx, get_rollout(tx.conn, rollout_id), raw[2], raw[3], harness_ended=True)
+        changed.append(attempt_from_row(raw))
+    sessions.mark_closed(tx.conn, session_id, how)
+    return changed

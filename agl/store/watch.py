@@ -10,8 +10,9 @@ processes raise no event here, so a waiter also looks at `PRAGMA data_version`
 Neither path ever reads the whole table.
 
 Deadlines are enforced by `check_timeouts()` (the watchdog calls it), and
-also cheaply inside every dequeue and every waiter poll: one probe of the
-partial index on `attempts.deadline`.
+also cheaply before every dequeue and every read, waiter polls included: one
+probe of the partial index on `attempts.deadline`. A read-only store applies
+them in memory instead (overdue.py).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 
 from agl.store import db, rules, sessions, txn
 from agl.store.codec import ROLLOUT_COLUMNS, RolloutRow, dumps
-from agl.store.txn import Tx
+from agl.store.overdue import NOTHING_OVERDUE, OverdueView
 from agl.types import Attempt, Rollout
 
 logger = logging.getLogger("agl.store")
@@ -118,8 +119,9 @@ class WatchMixin:
             self._expire_due()
         conn = self._conn
         with db.read_transaction(conn):
+            view = self._overdue_view(conn, rollout_ids)
             version = conn.execute("PRAGMA data_version").fetchone()[0]
-            if version == last_version:
+            if version == last_version and not view.rollouts:  # time alone can make a read-only view change
                 return None, version
             rows = [
                 RolloutRow(raw)
@@ -132,7 +134,8 @@ class WatchMixin:
             known = {r.rollout_id for r in rows}
             unknown = [rid for rid in rollout_ids if rid not in known]
             raise ValueError(f"Rollouts not found: {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
-        return {r.rollout_id: r.to_model() for r in rows if rules.is_terminal(r.status)}, version
+        shown = [view.rollout(r) for r in rows]
+        return {r.rollout_id: r for r in shown if rules.is_terminal(r.status)}, version
 
     async def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None) -> list[Rollout]:
         """Wait until all the rollouts are terminal or `timeout` seconds pass; return
@@ -182,6 +185,12 @@ class WatchMixin:
 
     # -- deadlines, dead sessions, watchdog --------------------------------------
 
+    def _overdue_view(self, conn: Any, rollout_ids: Optional[Sequence[str]] = None) -> OverdueView:
+        """How reads must show overdue attempts (and the rollouts `rollout_ids`, None: all):
+        a writable store has expired them already (it applies R6 before every read), a
+        read-only one shows R6 in memory."""
+        return OverdueView.at(conn, self._clock(), rollout_ids) if self.readonly else NOTHING_OVERDUE
+
     def _expire_due(self) -> list[Attempt]:
         if not txn.has_due_deadline(self._conn, self._clock()):
             return []
@@ -192,14 +201,8 @@ class WatchMixin:
         dead = sessions.find_dead(self._conn, exclude=self.session_id)
         changed: list[Attempt] = []
         for session_id in dead:
-            logger.warning("store session %s is dead; its active attempts become unresponsive", session_id)
-
-            def reap(tx: Tx, sid: str = session_id) -> list[Attempt]:
-                attempts = txn.orphan_session_attempts(tx, sid)
-                sessions.mark_closed(tx.conn, sid, "dead")
-                return attempts
-
-            changed += self._write_sync(reap)
+            logger.warning("store session %s is dead; its active attempts go back to the queue (R7)", session_id)
+            changed += self._write_sync(txn.end_session, session_id, "dead")
         return changed
 
     def _check_timeouts_sync(self) -> list[Attempt]:
