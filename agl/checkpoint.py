@@ -83,13 +83,15 @@ async def save_checkpoint(rt: Any, step: int, cursor: TaskCursor, optimizer: tor
 async def restore_checkpoint(rt: Any, cfg: DictConfig, optimizer: torch.optim.Optimizer) -> Checkpoint | None:
     """Load the last checkpoint into the policy, optimizer and RNGs; None for a fresh run.
 
-    A fresh run records its config instead; a resumed one gets its metrics file rewritten
-    from the store. The caller rebuilds its cursor from ``checkpoint.state["cursor"]``.
+    A fresh run records its config instead (and starts an empty metrics file: a process killed
+    before the first checkpoint may have written a baseline line that is about to be redone);
+    a resumed one gets its metrics file rewritten from the store. The caller rebuilds its cursor from ``checkpoint.state["cursor"]``.
     """
     store = rt.store
     checkpoint = await store.load_checkpoint()
-    if checkpoint is None:
+    if checkpoint is None:  # fresh, or killed before its first checkpoint: the baseline is redone
         await store.set_run_info("config", OmegaConf.to_container(cfg, resolve=True))
+        metrics_path(rt.run_dir).write_text("")
         return None
     load_adapter_bytes(rt.policy, checkpoint.blobs["adapter"])
     optimizer.load_state_dict(torch.load(io.BytesIO(checkpoint.blobs["optimizer"]), weights_only=False))

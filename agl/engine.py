@@ -9,6 +9,14 @@ cache is left-padded to a common length. Each engine step:
   2. decodes one token for every row;
   3. drops rows that finished (stop token, length, or cancelled), freeing their slots.
 
+Batch invariance: on a CPU, a row's floating-point result depends on the batch around it
+(matrix-multiply blocking, the amount of left padding), by ~1e-6 in float32. So a sequence's
+log-probs, and now and then a token, would depend on which requests happened to be running
+with it, i.e. on scheduling. With ``batch_invariant=True`` every sequence is prefilled alone
+and decoded as its own batch of one: what it samples is a function of its prompt, its
+parameters and its seed only, which is what makes a seeded run repeat bit for bit. It gives
+up batching (a step costs one forward pass per row), so it is the float32 default, not bf16's.
+
 The model runs in a worker thread so the event loop (and the HTTP route on it) stays
 responsive. ``paused()`` waits for the current step to end and holds the engine still, so
 the trainer never changes weights under a running forward pass.
@@ -29,7 +37,7 @@ from typing import AsyncIterator
 import torch
 from transformers import DynamicCache
 
-from agl.kv_cache import append_in_place_cache
+from agl.kv_cache import append_in_place_cache, cache_from_tensors
 from agl.merged import MergedSampler
 from agl.model import Policy
 
@@ -129,6 +137,27 @@ def _set_cache_tensors(cache: DynamicCache, tensors: list[tuple[torch.Tensor, to
         layer.keys, layer.values = keys, values
 
 
+def _select_rows(batch: _Batch, rows: list[int], own_cache: bool = False) -> _Batch:
+    """A batch of ``rows`` of ``batch``, minus columns that are padding in all of them. Its cache
+    is ``batch``'s, narrowed (the next append re-buffers it), or with ``own_cache`` a new one."""
+    index = torch.tensor(rows)
+    mask = batch.mask[index]
+    first_real = int((mask.sum(0) > 0).nonzero()[0])  # columns padded in every row are dead weight
+    tensors = [(k[index, :, first_real:], v[index, :, first_real:]) for k, v in _cache_tensors(batch.cache)]
+    if own_cache:
+        cache = cache_from_tensors(tensors)
+    else:
+        cache = batch.cache
+        _set_cache_tensors(cache, tensors)
+    return _Batch(
+        seqs=[batch.seqs[i] for i in rows],
+        cache=cache,
+        mask=mask[:, first_real:],
+        positions=batch.positions[index],
+        last_tokens=batch.last_tokens[index],
+    )
+
+
 def _left_pad(tensor: torch.Tensor, width: int, dim: int) -> torch.Tensor:
     if width == 0:
         return tensor
@@ -145,6 +174,7 @@ class Engine:
         max_prefill_tokens: int = 8192,
         batch_wait_s: float = 0.005,
         weights: str = "merged",
+        batch_invariant: bool = False,
     ):
         if weights not in ("merged", "adapter"):
             raise ValueError(f"engine.weights '{weights}' is not one of: merged, adapter")
@@ -154,8 +184,9 @@ class Engine:
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.batch_wait_s = batch_wait_s  # let requests sent together be prefilled together
+        self.batch_invariant = batch_invariant
         self._waiting: list[SequenceStream] = []
-        self._batch: _Batch | None = None
+        self._batches: list[_Batch] = []  # the running rows: one batch, or one per row if batch-invariant
         self._wake = asyncio.Event()
         self._pausers = 0
         self._paused = asyncio.Event()  # set while the loop is held between steps
@@ -177,9 +208,9 @@ class Engine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        for seq in self._waiting + (self._batch.seqs if self._batch else []):
+        for seq in self._waiting + self._running_seqs():
             seq._finish("abort")
-        self._waiting, self._batch = [], None
+        self._waiting, self._batches = [], []
         self._thread.shutdown(wait=True)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> list[SequenceStream]:
@@ -221,7 +252,10 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return len(self._batch.seqs) if self._batch else 0
+        return sum(len(batch.seqs) for batch in self._batches)
+
+    def _running_seqs(self) -> list[SequenceStream]:
+        return [seq for batch in self._batches for seq in batch.seqs]
 
     @property
     def num_waiting(self) -> int:
@@ -237,7 +271,7 @@ class Engine:
                 await self._resume.wait()
                 continue
             self._drop_cancelled_waiting()
-            if not self._waiting and self._batch is None:
+            if not self._waiting and not self._batches:
                 self._wake.clear()
                 await self._wake.wait()
                 if self.batch_wait_s and not self._pausers:
@@ -273,10 +307,11 @@ class Engine:
         return admit
 
     def _retire_finished(self) -> None:
-        """Finish rows that hit a stop condition or were cancelled; drop them from the batch."""
-        batch = self._batch
-        if batch is None:
-            return
+        """Finish rows that hit a stop condition or were cancelled; drop them from their batch."""
+        self._batches = [kept for batch in self._batches if (kept := self._retire_rows(batch)) is not None]
+
+    def _retire_rows(self, batch: _Batch) -> _Batch | None:
+        """``batch`` without its finished rows (the same object if none finished; None if all did)."""
         keep = []
         for i, seq in enumerate(batch.seqs):
             if seq.cancelled:
@@ -288,21 +323,8 @@ class Engine:
             else:
                 keep.append(i)
         if len(keep) == len(batch.seqs):
-            return
-        if not keep:
-            self._batch = None
-            return
-        index = torch.tensor(keep)
-        mask = batch.mask[index]
-        first_real = int((mask.sum(0) > 0).nonzero()[0])  # columns padded in every row are dead weight
-        _set_cache_tensors(batch.cache, [(k[index, :, first_real:], v[index, :, first_real:]) for k, v in _cache_tensors(batch.cache)])
-        self._batch = _Batch(
-            seqs=[batch.seqs[i] for i in keep],
-            cache=batch.cache,
-            mask=mask[:, first_real:],
-            positions=batch.positions[index],
-            last_tokens=batch.last_tokens[index],
-        )
+            return batch
+        return _select_rows(batch, keep) if keep else None
 
     # ------------------------------------------------------------------ model work (worker thread)
 
@@ -321,9 +343,19 @@ class Engine:
         return results
 
     def _forward_passes(self, admit: list[SequenceStream]):
-        if self._batch is not None:
-            yield self._batch.seqs, self._decode(self._batch), self._batch
-        if admit:
+        for batch in self._batches:
+            yield batch.seqs, self._decode(batch), batch
+        if not admit:
+            return
+        if self.batch_invariant:  # each distinct prompt prefilled alone, each row its own batch
+            by_prompt: dict[tuple[int, ...], list[SequenceStream]] = {}
+            for seq in admit:
+                by_prompt.setdefault(tuple(seq.prompt_ids), []).append(seq)
+            for seqs in by_prompt.values():
+                new_rows, logits = self._prefill(seqs)
+                yield seqs, logits, new_rows
+                self._batches += [_select_rows(new_rows, [i], own_cache=True) for i in range(len(seqs))]
+        else:
             new_rows, logits = self._prefill(admit)
             yield admit, logits, new_rows
             self._merge(new_rows)
@@ -372,10 +404,10 @@ class Engine:
 
     def _merge(self, new: _Batch) -> None:
         """Append new rows to the running batch, left-padding whichever cache is shorter."""
-        old = self._batch
-        if old is None:
-            self._batch = new
+        if not self._batches:
+            self._batches = [new]
             return
+        old = self._batches[0]
         t_old, t_new = old.mask.shape[1], new.mask.shape[1]
         width = max(t_old, t_new)
         merged = []

@@ -25,6 +25,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from agl.errors import ConfigError
+from agl.seeding import seed_everything
 from agl.sweep import read_status, write_status
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,7 @@ def run_job(cfg: DictConfig) -> object:
         run_dir, "running", algo=name, task=cfg.task.name, pid=os.getpid(), host=os.uname().nodename, started=started,
         ended=None, duration_s=None, error=None, config_hash=digest, **({"overrides": overrides} if overrides and not cfg.get("resume") else {}),
     )
+    seed_everything(cfg.seed)  # before the model is built: the LoRA's initial weights repeat
     try:
         result = JOBS[name](cfg, run_dir)
     except (Exception, SystemExit) as error:

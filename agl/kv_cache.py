@@ -60,3 +60,13 @@ def append_in_place_cache() -> DynamicCache:
     cache = DynamicCache()
     cache.layer_class_to_replicate = AppendInPlaceLayer
     return cache
+
+
+def cache_from_tensors(tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+    """A new append-in-place cache holding (a copy of) each layer's ``(keys, values)``."""
+    cache = append_in_place_cache()
+    for keys, values in tensors:
+        layer = AppendInPlaceLayer()
+        layer.update(keys, values)
+        cache.layers.append(layer)
+    return cache

@@ -52,9 +52,10 @@ class Runtime:
             max_batch_size=cfg.engine.max_batch_size,
             max_prefill_tokens=cfg.engine.max_prefill_tokens,
             weights=cfg.engine.get("weights", "merged"),  # runs saved before the option existed
+            batch_invariant=batch_invariant(cfg.engine.get("batch_invariant", "auto"), cfg.model.compute_dtype),
         )
         await self.engine.start()
-        self.server = ModelServer(self.engine, self.policy, self.store, host=cfg.server.host, port=cfg.server.port, api_key=cfg.server.api_key)
+        self.server = ModelServer(self.engine, self.policy, self.store, host=cfg.server.host, port=cfg.server.port, api_key=cfg.server.api_key, seed=cfg.seed)
         await self.server.start()
         self.runners = RunnerPool(
             cfg.runner.n,
@@ -130,6 +131,15 @@ class Runtime:
         if latest is not None and latest.resources == resources:
             return latest.resources_id
         return (await self.store.add_resources(resources)).resources_id
+
+
+def batch_invariant(setting: bool | str, compute_dtype: str) -> bool:
+    """``engine.batch_invariant``: ``auto`` is on when ``model.compute_dtype`` is set to float32,
+    asking for runs that repeat bit for bit (see agl.engine), and off when ``auto`` merely fell
+    back to float32 on a CPU without native bf16: that fallback should not also lose batching."""
+    if setting == "auto":
+        return compute_dtype == "float32"
+    return bool(setting)
 
 
 def succeeded(rollouts: Sequence[Rollout]) -> list[Rollout]:

@@ -22,6 +22,10 @@ Choices worth knowing:
     the tools as with "auto"); "none" renders and parses no tools.
   - With tools, a streamed reply arrives as one delta when the sequence ends, because tool-call
     text can only be parsed whole.
+  - A rollout call without a ``seed`` samples with one derived from the run seed and the
+    call's identity (``agl.seeding.call_seed``), so what it samples does not depend on
+    scheduling; the span records the seed used and where it came from. Unscoped calls
+    without a seed draw from the engine's shared generator.
   - A client that disconnects cancels its sequences; nothing is recorded for it.
   - With ``api_key`` set, every route but ``GET /health`` needs ``Authorization: Bearer <key>``.
 """
@@ -57,6 +61,8 @@ from agl.openai_schema import (
     parse_request,
     unauthorized,
 )
+from agl.seeding import CallCounter, call_seed
+from agl.store.rules import charged_attempt_number
 from agl.types import Span
 
 log = logging.getLogger(__name__)
@@ -94,6 +100,7 @@ class _Call:
     scope: tuple[str, str] | None  # (rollout_id, attempt_id) when recorded
     tools: list[dict] | None  # tools given to the template (and parsed back), if any
     reused_tokens: int
+    seed: int | None  # the request's own, or derived for a rollout call (None: unscoped, unseeded)
     received_at: float  # perf_counter at arrival
     received_wall: float  # time.time() at arrival
     id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(12))
@@ -131,6 +138,7 @@ class ModelServer:
         port: int = 0,
         api_key: str | None = None,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        seed: int = 0,
     ):
         self.engine = engine
         self.policy = policy
@@ -139,7 +147,9 @@ class ModelServer:
         self.port = port
         self.api_key = api_key
         self.default_max_tokens = default_max_tokens
+        self.seed = seed  # the run seed: rollout calls without a seed of their own derive one from it
         self.history = History()
+        self.call_numbers = CallCounter()
         self.app = self._build_app()
         self._server: _EmbeddedUvicorn | None = None
         self._task: asyncio.Task | None = None
@@ -242,7 +252,7 @@ class ModelServer:
     async def _chat(self, request: Request) -> Response:
         received_at, received_wall = time.perf_counter(), time.time()
         req = parse_request(ChatCompletionRequest, await request.body())
-        scope = await self._check_scope(request)
+        scope, seed = await self._check_scope(request, req.seed)
         use_tools = bool(req.tools) and req.tool_choice != "none"
         if use_tools and not self.policy.supports_tools:
             raise bad_request(f"The chat template of model '{self.policy.name}' does not support tools.", param="tools", code="tools_not_supported")
@@ -252,13 +262,13 @@ class ModelServer:
             prompt = render_prompt(self.policy, template_messages(req.messages), tools, turns)
         except Exception as exc:  # jinja errors: roles that must alternate, missing fields, ...
             raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from None
-        call = _Call("chat", req, prompt.ids, scope, tools, prompt.reused, received_at, received_wall)
+        call = _Call("chat", req, prompt.ids, scope, tools, prompt.reused, seed, received_at, received_wall)
         return await self._generate(request, call)
 
     async def _completions(self, request: Request) -> Response:
         received_at, received_wall = time.perf_counter(), time.time()
         req = parse_request(CompletionRequest, await request.body())
-        scope = await self._check_scope(request)
+        scope, seed = await self._check_scope(request, req.seed)
         if isinstance(req.prompt, str):
             prompt_ids = self.policy.tokenizer(req.prompt)["input_ids"]
         else:
@@ -268,25 +278,31 @@ class ModelServer:
             prompt_ids = list(req.prompt)
         if not prompt_ids:
             raise bad_request("The prompt is empty.", param="prompt")
-        call = _Call("completion", req, list(prompt_ids), scope, None, 0, received_at, received_wall)
+        call = _Call("completion", req, list(prompt_ids), scope, None, 0, seed, received_at, received_wall)
         return await self._generate(request, call)
 
-    async def _check_scope(self, request: Request) -> tuple[str, str] | None:
-        """(rollout_id, attempt_id) of a rollout route, after 404 / 409 checks; None if unscoped."""
+    async def _check_scope(self, request: Request, seed: int | None) -> tuple[tuple[str, str] | None, int | None]:
+        """(rollout_id, attempt_id) of a rollout route, after 404 / 409 checks (None if unscoped),
+        and the call's sampling seed: ``seed`` if given, else derived for a rollout call."""
         rollout_id = request.path_params.get("rollout_id")
         if rollout_id is None:
-            return None
+            return None, seed
         attempt_id = request.path_params["attempt_id"]
         if self.store is None:
             raise not_found("This server has no store, so rollout routes are unavailable; use /v1.")
         if await self.store.get_rollout_by_id(rollout_id) is None:
             raise not_found(f"Rollout '{rollout_id}' does not exist.", code="rollout_not_found")
-        attempt = next((a for a in await self.store.query_attempts(rollout_id) if a.attempt_id == attempt_id), None)
+        attempts = await self.store.query_attempts(rollout_id)
+        attempt = next((a for a in attempts if a.attempt_id == attempt_id), None)
         if attempt is None:
             raise not_found(f"Attempt '{attempt_id}' of rollout '{rollout_id}' does not exist.", code="attempt_not_found")
         if attempt.status in FINISHED_ATTEMPT_STATUSES:
             raise conflict(f"Attempt '{attempt_id}' of rollout '{rollout_id}' already finished ({attempt.status}).", code="attempt_finished")
-        return rollout_id, attempt_id
+        scope = (rollout_id, attempt_id)
+        call_number = self.call_numbers.next(scope)
+        if seed is None:
+            seed = call_seed(self.seed, rollout_id, charged_attempt_number(attempts, attempt), call_number)
+        return scope, seed
 
     async def _turns(self, scope: tuple[str, str]) -> list[Turn]:
         """Earlier turns of this attempt: from memory, else (e.g. after a restart) from its spans."""
@@ -331,7 +347,7 @@ class ModelServer:
             max_tokens=max_tokens,
             temperature=req.temperature,
             top_p=req.top_p,
-            seed=req.seed,
+            seed=call.seed,
             top_logprobs=req.n_top_logprobs,
             ignore_eos=req.ignore_eos,
         )
@@ -524,7 +540,8 @@ class ModelServer:
             "temperature": req.temperature,
             "top_p": req.top_p,
             "n": req.n,
-            "seed": req.seed,
+            "seed": call.seed,
+            "seed_from": "request" if req.seed is not None else "derived",
             "stop": req.stop_strings,
             "top_logprobs": req.n_top_logprobs,
             "ignore_eos": req.ignore_eos,

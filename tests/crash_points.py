@@ -1,0 +1,58 @@
+"""The e2e agent, plus deliberate SIGKILLs at chosen points of the harness (crash tests).
+
+Imported by the harness process itself (as ``task.agent=crash_points:multi_turn_agent``), so
+with ``AGL_TEST_KILL`` set it patches that process:
+
+  ``rollout``     dies inside the first rollout this process runs, after its first LLM call;
+  ``update``      dies right after the first GRPO update of this process changed the LoRA
+                  in memory, before the policy version moves or anything is saved;
+  ``checkpoint``  dies inside the first checkpoint transaction, after its rows are written
+                  and before COMMIT.
+"""
+import os
+import signal
+
+import e2e_agents
+from e2e_agents import load  # noqa: F401  (the data the run uses)
+
+KILL_AT = os.environ.get("AGL_TEST_KILL", "")
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def multi_turn_agent(task: dict, llm, prompt_template: str, **kwargs) -> float:
+    if KILL_AT == "rollout":
+        e2e_agents.multi_turn_agent(task, llm, prompt_template, max_turns=1)
+        _die()
+    return e2e_agents.multi_turn_agent(task, llm, prompt_template, **kwargs)
+
+
+def _die_after(cls: type, name: str) -> None:
+    """Patch ``cls.<name>`` to run as usual and then kill the process."""
+    original = getattr(cls, name)
+
+    def patched(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _die()
+
+    setattr(cls, name, patched)
+
+
+def _install(point: str) -> None:
+    if point in ("", "rollout"):
+        return
+    if point == "update":
+        from agl.grpo import GRPOUpdate
+
+        _die_after(GRPOUpdate, "step")
+    elif point == "checkpoint":
+        from agl.store import SqliteStore
+
+        _die_after(SqliteStore, "_save_checkpoint_tx")  # inside the transaction: before COMMIT
+    else:
+        raise ValueError(f"AGL_TEST_KILL={point!r}: expected rollout, update or checkpoint")
+
+
+_install(KILL_AT)
