@@ -1,6 +1,6 @@
 """Sweeps: deterministic multirun dirs, job status files, and the end-of-sweep summary.
 
-``python harness.py -m task=gsm8k algo=grpo algo.lr=1e-5,3e-5 task.prompt=cot,terse`` runs every
+``python harness.py -m task=gsm8k algo=grpo algo.lr=1e-5,3e-5 task.prompt=cot,steps`` runs every
 combination (Hydra multirun) under ``outputs/multirun/<task>_<algo>_<hash>/<job overrides>/``:
 
 * the sweep dir is keyed by a hash of the sorted command-line overrides (``sweep_id``), and

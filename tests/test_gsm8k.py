@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from tasks.gsm8k import data, scoring
 from tasks.gsm8k.data import load_split, solution_text
 from tasks.gsm8k.scoring import (
+    answer_not_last,
     extract_lenient,
     extract_strict,
     normalize_number,
@@ -69,14 +70,17 @@ def test_doctests(module):
 # ---------------------------------------------------------------- extraction units
 
 
+WHY = "Half of 48 is 24, so the total is 48 + 24.\n"  # enough reasoning before an answer line
+
+
 @pytest.mark.parametrize(
-    "text,expected",
+    "answer,expected",
     [
         ("#### 72", "72"),
-        ("reasoning\n#### 72", "72"),
         ("#### 72.", "72"),  # trailing period
         ("#### 72 .\n", "72"),
         ("####72", "72"),
+        ("#### 72\n\n  \n", "72"),  # trailing blank lines
         ("#### 1,234", "1234"),  # thousands separators
         ("#### 1,234,567.", "1234567"),
         ("#### $72", "72"),  # dollar prefix
@@ -90,9 +94,9 @@ def test_doctests(module):
         ("#### 72.00", "72"),
         ("#### 0", "0"),
         ("#### -0.0", "0"),
-        ("#### 1\nmore text\n#### 2\n", "2"),  # last #### wins
-        ("#### 2\n\nQuestion: next one has 9 apples", "2"),  # later lines ignored
-        # not the format -> None
+        # not well formed -> None
+        ("#### 1\nmore text\n#### 2\n", None),  # two answer lines
+        ("#### 2\n\nQuestion: next one has 9 apples", None),  # the answer line is not last
         ("The answer is 72", None),
         ("", None),
         ("####", None),
@@ -100,17 +104,25 @@ def test_doctests(module):
         ("#### seventy-two", None),
         ("#### 72 apples", None),
         ("#### 1,23", None),
-        ("#### 72\n#### unsure", None),  # the last #### line is malformed
+        ("#### 72\n#### unsure", None),
     ],
 )
-def test_extract_strict(text, expected):
-    assert extract_strict(text) == expected
+def test_extract_strict(answer, expected):
+    assert extract_strict(WHY + answer) == expected
+
+
+@pytest.mark.parametrize("text", ["#### 72", "72\n#### 72", "Total: 72\n#### 72", " \n\n#### 72"])
+def test_extract_strict_needs_reasoning_first(text):
+    assert extract_strict(text) is None and score(text, "72") == {"format": False, "correct": False}
+
+
 
 
 @pytest.mark.parametrize(
     "text,expected",
     [
-        ("#### 12\nI think 13", "12"),  # strict wins when present
+        (WHY + "#### 12", "12"),  # strict wins when well formed
+        ("#### 12\nI think 13", "13"),  # otherwise the last number
         ("So the total is 72.", "72"),
         ("3 + 4 = 7", "7"),  # the last number
         ("It costs $1,234.50 in total.", "1234.5"),
@@ -155,13 +167,14 @@ def test_normalize_number():
 
 
 def test_score_and_reward():
-    good, wrong, unformatted = "48 + 24 = 72\n#### 72", "#### 71", "so the answer is 72"
+    good, wrong, unformatted = WHY + "#### 72", WHY + "#### 71", "so the answer is 72"
     assert score(good, "72") == {"format": True, "correct": True}
     assert score(wrong, "72") == {"format": True, "correct": False}
     assert score(unformatted, "72") == {"format": False, "correct": False}
     assert score(unformatted, "72", strict=False) == {"format": False, "correct": True}
     assert reward(good, "72") == 1.0
-    assert reward("#### $72.00.", "72") == 1.0
+    assert reward(WHY + "#### $72.00.", "72") == 1.0
+    assert reward("#### 72\n" + WHY, "72") == 0.0  # answer first: no format credit, not graded correct
     assert reward(wrong, "72") == 0.1
     assert reward(wrong, "72", format_bonus=0.0) == 0.0
     assert reward(unformatted, "72") == 0.0  # lenient-correct still earns nothing
@@ -197,12 +210,36 @@ def render(value: Decimal, fmt: str) -> str:
 
 
 @settings(max_examples=300, deadline=None)
-@given(value=values, fmt=formats, before=prose, after=st.sampled_from(["", " ", ".", " .", "!\n", "\nnext line 5"]))
+@given(value=values, fmt=formats, before=prose, after=st.sampled_from(["", " ", ".", " .", "!\n", "\n\n \n"]))
 def test_strict_recovers_rendered_number(value, fmt, before, after):
-    rendered = render(value, fmt)
-    extracted = extract_strict(f"{before}\n#### {rendered}{after}")
-    assert numbers_equal(extracted, str(value)), (rendered, extracted)
-    assert reward(f"{before}\n#### {rendered}{after}", str(value)) == 1.0
+    text = f"{WHY}{before}\n#### {render(value, fmt)}{after}"
+    assert numbers_equal(extract_strict(text), str(value)), text
+    assert reward(text, str(value)) == 1.0 and not answer_not_last(text)
+
+
+@settings(max_examples=300, deadline=None)
+@given(value=values, fmt=formats, before=prose, after=st.text(min_size=1, max_size=40).filter(lambda t: t.strip()))
+def test_anything_after_the_answer_line_voids_it(value, fmt, before, after):
+    """Text after the answer line (the reward hack: answer first, reasoning after) earns nothing."""
+    text = f"{WHY}{before}\n#### {render(value, fmt)}\n{after}"
+    assert extract_strict(text) is None
+    assert reward(text, str(value)) == 0.0
+    assert answer_not_last(text) or text.count("####") > 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=values, first=values, before=prose)
+def test_two_answer_lines_void_both(value, first, before):
+    text = f"{WHY}#### {first}\n{before}\n#### {value}"
+    assert extract_strict(text) is None and reward(text, str(value)) == 0.0
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=values, reasoning=st.text(max_size=60))
+def test_well_formed_needs_enough_reasoning(value, reasoning):
+    text = f"{reasoning}\n#### {value}"
+    if len("".join(reasoning.split())) < scoring.MIN_REASONING_CHARS:
+        assert extract_strict(text) is None
 
 
 @settings(max_examples=300, deadline=None)

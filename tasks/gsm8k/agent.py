@@ -1,11 +1,11 @@
-"""The GSM8K agent: one chat call, scored on the final `#### N` line."""
+"""The GSM8K agent: one chat call, scored on its final `#### N` line (see scoring.py)."""
 from __future__ import annotations
 
 import openai
 
 import agl
 from tasks.gsm8k.data import load_split, solution_text
-from tasks.gsm8k.scoring import reward, score
+from tasks.gsm8k.scoring import answer_not_last, reward, score
 
 
 def gsm8k_agent(task: dict, llm: agl.LLM, prompt_template: str, format_bonus: float = 0.1, **_: object) -> float:
@@ -19,6 +19,7 @@ def gsm8k_agent(task: dict, llm: agl.LLM, prompt_template: str, format_bonus: fl
     scored = score(text, task["gold"])
     agl.emit_metric("correct", float(scored["correct"]))
     agl.emit_metric("format", float(scored["format"]))
+    agl.emit_metric("answer_not_last", float(answer_not_last(text)))  # the reward-hacking signature
     agl.emit_metric("correct_lenient", float(score(text, task["gold"], strict=False)["correct"]))
     return reward(text, task["gold"], format_bonus=format_bonus)
 
