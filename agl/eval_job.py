@@ -15,7 +15,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from agl.errors import ConfigError
-from agl.evaluate import evaluate_rows, markdown_table, summarize
+from agl.evaluate import evaluate_rows, fmt, markdown_table, rate_intervals, summarize
 from agl.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -71,6 +71,7 @@ async def run_eval(cfg: DictConfig, run_dir: Path) -> dict:
         "task": cfg.task.name, "model": cfg.model.name, "adapter": adapter, "split": algo.split, "tasks": len(rows),
         "k": algo.k, "prompt": algo.prompt, "sampling": sampling_of(algo), "summary": summary,
         "metrics": {f"eval/{k}": v for k, v in summary.items()},
+        "intervals": rate_intervals(scores),
     }
     text = eval_markdown(result)
     (run_dir / "eval.md").write_text(text + "\n")
@@ -87,4 +88,10 @@ def eval_markdown(result: dict) -> str:
         f"model {result['model']}, adapter {result['adapter']}, prompt `{result['prompt']}`, "
         f"temperature {s['temperature']}, max_tokens {s['max_tokens']}\n"
     )
-    return header + "\n" + markdown_table(["metric", "value"], list(result["summary"].items()))
+    intervals = result.get("intervals", {})
+    rows = [[k, v, _interval(intervals.get(k))] for k, v in result["summary"].items()]
+    return header + "\n" + markdown_table(["metric", "value", "95% interval (Wilson, 0/1 scores)"], rows)
+
+
+def _interval(rate: dict | None) -> str:
+    return "" if rate is None else f"[{fmt(rate['lo'])}, {fmt(rate['hi'])}] of {rate['n']}"

@@ -14,6 +14,7 @@ from collections import defaultdict
 from typing import Any, Sequence
 
 from agl.adapter import final_reward
+from agl.stats import is_binary, paired_change, rate_with_interval
 from agl.types import Rollout, RolloutStatus
 
 
@@ -42,8 +43,7 @@ def summarize(rows: Sequence[dict], k: int = 1, pass_threshold: float = 1.0) -> 
         return summary
     summary["reward"] = sum(r.get("reward", 0.0) for r in rows) / len(rows)
     summary["failed"] = sum(r["status"] != "succeeded" for r in rows) / len(rows)
-    metric_names = sorted({key for r in rows for key in r} - {"rollout_id", "status", "task_id", "reward", "completion_tokens"})
-    for name in metric_names:
+    for name in score_names(rows)[1:]:
         summary[name] = sum(r.get(name, 0.0) for r in rows) / len(rows)
     lengths = [r["completion_tokens"] for r in rows if "completion_tokens" in r]
     if lengths:
@@ -54,6 +54,32 @@ def summarize(rows: Sequence[dict], k: int = 1, pass_threshold: float = 1.0) -> 
             by_task[r["task_id"]].append(r.get("reward", 0.0))
         summary[f"pass@{k}"] = sum(any(x >= pass_threshold for x in v) for v in by_task.values()) / len(by_task)
     return summary
+
+
+def score_names(rows: Sequence[dict]) -> list[str]:
+    """The per-rollout scores of ``rows``: ``reward`` and every emitted metric."""
+    return ["reward"] + sorted({key for r in rows for key in r} - {"rollout_id", "status", "task_id", "reward", "completion_tokens"})
+
+
+def rate_intervals(rows: Sequence[dict]) -> dict[str, dict[str, float]]:
+    """Wilson 95% intervals of the scores that are 0/1 per rollout (failed rollouts count 0)."""
+    out = {}
+    for name in score_names(rows):
+        values = [r.get(name, 0.0) for r in rows]
+        if is_binary(values):
+            out[name] = rate_with_interval(values)
+    return out
+
+
+def paired_changes(before: Sequence[dict], after: Sequence[dict]) -> dict[str, dict[str, float]]:
+    """McNemar comparisons of two greedy evals of the same tasks, for every 0/1 score."""
+    out = {}
+    for name in score_names(after):
+        b = {r["task_id"]: r.get(name, 0.0) for r in before}
+        a = {r["task_id"]: r.get(name, 0.0) for r in after}
+        if is_binary(list(b.values())) and is_binary(list(a.values())):
+            out[name] = paired_change(b, a)
+    return out
 
 
 # ----------------------------------------------------------------------------- running an evaluation
@@ -150,6 +176,35 @@ def fmt(value: Any, digits: int = 4) -> str:
     return "" if value is None else str(value)
 
 
+# Metrics derived from a 0/1 score by eval_during_training: its Wilson interval, and the paired
+# comparison with the baseline. Tables show them inside the score's own cell, not as columns.
+DERIVED_SUFFIXES = ("_lo", "_hi", "_base", "_gained", "_lost", "_p")
+
+
+def is_derived(row: dict, key: str) -> bool:
+    return any(key.endswith(suffix) and key[: -len(suffix)] in row for suffix in DERIVED_SUFFIXES)
+
+
+def with_interval(row: dict, key: str) -> Any:
+    """``row[key]``, as "rate [lo, hi]" when its interval is in the row too.
+
+    >>> with_interval({"eval/correct": 0.05, "eval/correct_lo": 0.0215, "eval/correct_hi": 0.1118}, "eval/correct")
+    '0.05 [0.0215, 0.1118]'
+    """
+    value = row.get(key)
+    if value is None or f"{key}_lo" not in row:
+        return value
+    return f"{fmt(value)} [{fmt(row[key + '_lo'])}, {fmt(row[key + '_hi'])}]"
+
+
+def vs_base(row: dict, key: str) -> str | None:
+    """The paired comparison with the baseline in ``row``, e.g. "0.01 -> 0.05 (+6 -2, p=0.29)"."""
+    if f"{key}_p" not in row:
+        return None
+    return (f"{fmt(row[key + '_base'])} -> {fmt(row[key])} (+{int(row[key + '_gained'])} -{int(row[key + '_lost'])}, "
+            f"p={fmt(row[key + '_p'])})")
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     """A GitHub markdown table; floats shortened by ``fmt``."""
     cells = [[fmt(v) for v in row] for row in rows]
@@ -162,16 +217,26 @@ async def eval_during_training(rt: Any, cfg: Any, rows: Sequence[dict], step: in
     """The GRPO and SFT trainers' greedy evaluation after ``step`` updates, as ``eval/`` metrics.
 
     Step 0 is the baseline before any update; it is also logged on its own (as step -1).
+    Every 0/1 score gets its Wilson 95% interval (``eval/<score>_lo``, ``_hi``); after an
+    update, also the paired comparison with the baseline on the same tasks
+    (``eval/<score>_base``, ``_gained``, ``_lost`` and McNemar's ``_p``).
     """
     from agl.checkpoint import log_baseline  # here: `report=` uses this module without loading torch
 
     if not rows:
         return {}
-    summary = await evaluate(
+
+    scores = await evaluate_rows(
         rt, rows, resources=rt.task.resources_for(cfg.task.prompt),
         sampling={"temperature": 0.0, "max_tokens": cfg.algo.max_tokens}, tag={"eval_step": step}, desc=f"eval@{step}",
     )
-    metrics = {f"eval/{k}": v for k, v in summary.items()}
+    metrics = {f"eval/{k}": v for k, v in summarize(scores).items()}
+    for name, rate in rate_intervals(scores).items():
+        metrics[f"eval/{name}_lo"], metrics[f"eval/{name}_hi"] = rate["lo"], rate["hi"]
     if step == 0:
         await log_baseline(rt, metrics)
+    elif baseline := [r for r in await rt.store.query_rollouts() if _matches(r.metadata, {"eval_step": 0})]:
+        for name, change in paired_changes(await rollout_scores(rt.store, baseline), scores).items():
+            for key in ("before", "gained", "lost", "p"):
+                metrics[f"eval/{name}_{'base' if key == 'before' else key}"] = change[key]
     return metrics

@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from agl.errors import ConfigError
-from agl.evaluate import fmt, markdown_table
+from agl.evaluate import fmt, is_derived, markdown_table, vs_base, with_interval
 from agl.plots import draw_panels, read_metrics
 from agl.sweep import effective_status, is_sweep_dir, read_status, write_sweep_summary
 
 SLOWEST = 5
-ACCURACY_HINTS = ("correct", "accuracy", "says_", "pass@", "format")
+SAMPLES = 5  # eval tasks whose replies before and after training report.md quotes
+ACCURACY_HINTS = ("correct", "accuracy", "says_", "pass@", "format", "not_last")
 HARNESS_ENDS = {  # attempts.metadata.harness_ended -> how the failures table shows them
     "dead": "the harness died (not the agent's failure: rerun, no retry used)",
     "closed": "the harness closed with it in flight (not the agent's failure: rerun, no retry used)",
@@ -50,6 +51,9 @@ def report_run(run_dir: Path, echo: bool = True) -> dict:
         ("run", _run_section(run_dir, data, rows)),
         ("best step", _best_section(rows)),
         ("reward and accuracy by step", _by_step_section(rows, data["step_summary"])),
+        *([("change against the base model", vs)] if (vs := _vs_base_section(rows)) else []),
+        *([(f"samples: the same eval tasks before and after training (first {SAMPLES})", samples)]
+          if (samples := _samples_section(data["eval_replies"])) else []),
         (f"slowest rollouts (top {SLOWEST})", _slowest_section(data["slowest"])),
         ("failures by error", _failures_section(data["failures"], data["harness_ends"])),
     ]
@@ -101,6 +105,14 @@ async def _read_store(path: Path) -> dict:
                 "harness_ends": q(
                     "SELECT status, json_extract(metadata, '$.harness_ended') AS how, count(*) FROM attempts "
                     "WHERE json_extract(metadata, '$.harness_ended') IS NOT NULL GROUP BY status, how ORDER BY count(*) DESC, how"
+                ),
+                "eval_replies": q(
+                    "SELECT json_extract(r.metadata, '$.eval_step') AS at, json_extract(r.metadata, '$.task_id'), r.input, "
+                    "json_extract(s.attributes, '$.response_text'), rr.reward FROM rollouts r "
+                    "JOIN latest_attempts la ON la.rollout_id = r.rollout_id "
+                    "JOIN spans s ON s.attempt_id = la.attempt_id AND s.name LIKE 'llm.%' "
+                    "LEFT JOIN rollout_rewards rr ON rr.rollout_id = r.rollout_id "
+                    "WHERE at IS NOT NULL ORDER BY r.seq, s.sequence_id"
                 ),
             }
 
@@ -167,13 +179,57 @@ def _by_step_section(rows: list[dict], step_summary: list[tuple]) -> str:
     if not rows:
         return "(no metrics)"
     keys = [k for k in ("reward_mean", "rollouts_failed", "loss", "eval/reward") if any(k in r for r in rows)]
-    keys += sorted({k for r in rows for k in r if k.startswith("eval/") and any(h in k for h in ACCURACY_HINTS)})
+    keys += sorted({k for r in rows for k in r if k.startswith("eval/") and any(h in k for h in ACCURACY_HINTS) and not is_derived(r, k)})
     failed = {s: f for s, _, _, f, _, _ in step_summary}
-    table = [[r["step"], *[r.get(k) for k in keys]] for r in rows]
+    table = [[r["step"], *[with_interval(r, k) for k in keys]] for r in rows]
     if failed and "rollouts_failed" not in keys:
         keys.append("failed (store)")
         table = [row + [failed.get(row[0])] for row in table]
     return markdown_table(["step", *keys], table)
+
+
+def _vs_base_section(rows: list[dict]) -> str | None:
+    """The last eval's 0/1 scores against the baseline's, on the same tasks (McNemar's exact test)."""
+    last = next((r for r in reversed(rows) if any(k.endswith("_p") and is_derived(r, k) for k in r)), None)
+    if last is None:
+        return None
+    keys = sorted(k[:-2] for k in last if k.endswith("_p") and is_derived(last, k))
+    table = [[k, with_interval(last, k), vs_base(last, k)] for k in keys]
+    return f"step {last['step']} against the baseline (step -1), same tasks, greedy:\n\n" + markdown_table(
+        ["score", "rate [95% Wilson]", "base -> now (tasks gained, lost; McNemar exact p)"], table
+    )
+
+
+def _samples_section(replies: list[tuple], count: int = SAMPLES) -> str | None:
+    """The same eval tasks' replies (the last LLM call of each) before training and after the last eval."""
+    by_step: dict[int, dict] = {}
+    for at, task, task_input, text, reward in replies:
+        by_step.setdefault(at, {})[task] = (task_input, text, reward)  # a later call of the rollout replaces
+    if 0 not in by_step or len(by_step) < 2:
+        return None
+    last = max(by_step)
+    tasks = [t for t in by_step[0] if t in by_step[last]][:count]
+    blocks = []
+    for task in tasks:
+        task_input, before, reward_before = by_step[0][task]
+        _, after, reward_after = by_step[last][task]
+        blocks.append(
+            f"### {task}\n\n{_question(task_input)}\n\nbefore training (reward {fmt(reward_before)}):\n\n"
+            f"{_quote(before)}\n\nafter {last} updates (reward {fmt(reward_after)}):\n\n{_quote(after)}"
+        )
+    return "\n\n".join(blocks)
+
+
+def _question(task_input: str | None) -> str:
+    import json
+
+    row = json.loads(task_input) if task_input else {}
+    text = row.get("question") if isinstance(row, dict) else None
+    return _quote(text if isinstance(text, str) else json.dumps(row)[:500])
+
+
+def _quote(text: str | None) -> str:
+    return "\n".join("> " + line for line in (text or "(no reply)").splitlines() or [""])
 
 
 def _slowest_section(slowest: list[tuple]) -> str:

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from agl.evaluate import fmt, markdown_table
+from agl.evaluate import fmt, is_derived, markdown_table, vs_base, with_interval
 from agl.plots import draw_panels, read_metrics
 
 STATUS_FILE = "status.json"
@@ -162,8 +162,11 @@ def job_record(job_dir: Path) -> dict:
         metrics["final reward"] = _final(rows, "reward_mean")
         metrics["best reward"], _ = _best(rows, "reward_mean")
         metrics["final loss"] = _final(rows, "loss") if metrics["final reward"] is None else None
-        for key in sorted({k for r in rows for k in r if k.startswith("eval/")} - IGNORED_EVAL):
-            metrics[f"final {key}"] = _final(rows, key)
+        for key in sorted({k for r in rows for k in r if k.startswith("eval/") and not is_derived(r, k)} - IGNORED_EVAL):
+            last = next(r for r in reversed(rows) if r.get(key) is not None)
+            metrics[f"final {key}"] = with_interval(last, key)
+            if (change := vs_base(last, key)) is not None:
+                metrics[f"{key} vs base"] = change
         best_eval, best_step = _best(rows, "eval/reward")
         metrics["best eval/reward"], metrics["best step"] = best_eval, best_step
     result = status.get("result") or {}

@@ -22,6 +22,7 @@ def multi_turn_agent(task: dict, llm: agl.LLM, prompt_template: str, max_turns: 
         replies.append(text)
         messages += [{"role": "assistant", "content": text}, {"role": "user", "content": f"Turn {turn + 2}: say more."}]
     agl.emit_metric("turns", float(len(replies)))
+    agl.emit_metric("said_a", float("a" in "".join(replies).lower()))  # a 0/1 score: gets intervals and a paired test
     return vowel_rate("".join(replies))
 
 

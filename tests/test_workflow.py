@@ -17,7 +17,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from agl.eval_job import run_eval
-from agl.evaluate import bootstrap_ci, mean_ci
+from agl.evaluate import bootstrap_ci, fmt, mean_ci
 from agl.model import load_policy
 from agl.prompt_search import run_prompt_search
 from agl.sft import SFTTrainer, render_demonstration
@@ -73,6 +73,10 @@ async def test_eval_of_a_saved_adapter_reproduces_the_training_eval(grpo_run, tm
     assert written["summary"] == trained["summary"] and len(written["rollouts"]) == 6
     table = (tmp_path / "trained" / "eval.md").read_text()
     assert "| reward" in table and str(grpo_run / "adapter") in table
+    low, high = trained["intervals"]["said_a"]["lo"], trained["intervals"]["said_a"]["hi"]
+    assert low <= trained["summary"]["said_a"] <= high and f"[{fmt(low)}, {fmt(high)}] of 6" in table
+    # the final training eval carries the paired comparison with the baseline on the same tasks
+    assert final["eval/said_a_base"] == baseline["eval/said_a"] and 0 < final["eval/said_a_p"] <= 1
 
 
 async def _replies(run_dir, **tag):
@@ -177,8 +181,10 @@ def test_report_reads_a_run_without_loading_a_model(grpo_run):
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    for section in ("## run", "## best step", "## reward and accuracy by step", "## slowest rollouts", "## failures by error"):
+    for section in ("## run", "## best step", "## reward and accuracy by step", "## change against the base model",
+                    "## samples: the same eval tasks before and after training", "## slowest rollouts", "## failures by error"):
         assert section in out, out
+    assert out.count("before training (reward") == 5 and out.count("after 2 updates (reward") == 5
     assert "TORCH_LOADED False" in out
     assert "| algo      | grpo" in out and "2 of 2 done" in out
     assert re.search(r"\| 1\s+\| [0-9.]+\s+\|", out)  # the step table has step 1's reward

@@ -1,0 +1,86 @@
+"""Statistics for pass/fail scores: an interval for a rate, and a paired test of two policies.
+
+A greedy eval scores each task 0 or 1 (``correct``, ``format``, ...). Its rate gets a Wilson
+score interval, which stays inside [0, 1] and is honest at rates near 0 or 1 and small n,
+where mean +- 1.96 s/sqrt(n) is not. Two evals of the same tasks (the base model and the
+trained one) are compared with McNemar's exact test: only the tasks on which they disagree
+carry information, and under "no change" each disagreement is a fair coin.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Mapping, Sequence
+
+Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
+
+
+def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
+    """The Wilson score interval (95% by default) of a rate ``successes / n``.
+
+    >>> [round(x, 4) for x in wilson_interval(5, 100)]
+    [0.0215, 0.1118]
+    >>> wilson_interval(0, 20)[0], wilson_interval(20, 20)[1]
+    (0.0, 1.0)
+    """
+    if n == 0:
+        return float("nan"), float("nan")
+    p = successes / n
+    denom = 1 + z * z / n
+    center = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    # At k = 0 (k = n) the bound is exactly 0 (1); say so rather than leave it to rounding.
+    lo = 0.0 if successes == 0 else max(0.0, center - half)
+    hi = 1.0 if successes == n else min(1.0, center + half)
+    return lo, hi
+
+
+def mcnemar_exact(gained: int, lost: int) -> float:
+    """Two-sided exact McNemar p-value: ``gained`` tasks went 0 -> 1, ``lost`` went 1 -> 0.
+
+    >>> mcnemar_exact(0, 0), mcnemar_exact(5, 5)
+    (1.0, 1.0)
+    >>> round(mcnemar_exact(10, 0), 5)  # 2 * 0.5**10
+    0.00195
+    """
+    n = gained + lost
+    if n == 0:
+        return 1.0
+    k = min(gained, lost)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def is_binary(values: Sequence[float]) -> bool:
+    return bool(values) and all(v in (0.0, 1.0) for v in values)
+
+
+def rate_with_interval(values: Sequence[float]) -> dict[str, float]:
+    """``{"rate", "lo", "hi", "n"}`` of 0/1 values.
+
+    >>> rate_with_interval([1, 0, 0, 0])["rate"]
+    0.25
+    """
+    n, k = len(values), int(sum(values))
+    lo, hi = wilson_interval(k, n)
+    return {"rate": k / n if n else float("nan"), "lo": lo, "hi": hi, "n": n}
+
+
+def paired_change(before: Mapping[Any, float], after: Mapping[Any, float]) -> dict[str, float]:
+    """Compare 0/1 scores of the same tasks (keys) before and after: rates, the tasks gained and
+    lost, and McNemar's exact p-value. Tasks scored only once are left out.
+
+    >>> paired_change({"a": 0, "b": 0, "c": 1}, {"a": 1, "b": 1, "c": 1, "d": 1})
+    {'n': 3, 'before': 0.3333333333333333, 'after': 1.0, 'gained': 2, 'lost': 0, 'p': 0.5}
+    """
+    tasks = [t for t in before if t in after]
+    gained = sum(1 for t in tasks if after[t] > before[t])
+    lost = sum(1 for t in tasks if after[t] < before[t])
+    n = len(tasks)
+    return {
+        "n": n,
+        "before": sum(before[t] for t in tasks) / n if n else float("nan"),
+        "after": sum(after[t] for t in tasks) / n if n else float("nan"),
+        "gained": gained,
+        "lost": lost,
+        "p": mcnemar_exact(gained, lost),
+    }
