@@ -213,30 +213,45 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str
     return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(line(r) for r in cells)])
 
 
-async def eval_during_training(rt: Any, cfg: Any, rows: Sequence[dict], step: int) -> dict[str, float]:
+async def eval_during_training(rt: Any, cfg: Any, rows: Sequence[dict], step: int, slice_size: int = 0) -> dict[str, float]:
     """The GRPO and SFT trainers' greedy evaluation after ``step`` updates, as ``eval/`` metrics.
 
     Step 0 is the baseline before any update; it is also logged on its own (as step -1).
     Every 0/1 score gets its Wilson 95% interval (``eval/<score>_lo``, ``_hi``); after an
     update, also the paired comparison with the baseline on the same tasks
     (``eval/<score>_base``, ``_gained``, ``_lost`` and McNemar's ``_p``).
+
+    With ``slice_size`` (the periodic evals' tasks, a prefix of ``rows``), ``eval/`` keeps
+    describing that slice, so the curve stays comparable, and ``eval_all/`` describes all of
+    ``rows`` (the baseline and final evals on a whole split).
     """
     from agl.checkpoint import log_baseline  # here: `report=` uses this module without loading torch
 
     if not rows:
         return {}
-
     scores = await evaluate_rows(
         rt, rows, resources=rt.task.resources_for(cfg.task.prompt),
         sampling={"temperature": 0.0, "max_tokens": cfg.algo.max_tokens}, tag={"eval_step": step}, desc=f"eval@{step}",
     )
-    metrics = {f"eval/{k}": v for k, v in summarize(scores).items()}
-    for name, rate in rate_intervals(scores).items():
-        metrics[f"eval/{name}_lo"], metrics[f"eval/{name}_hi"] = rate["lo"], rate["hi"]
+    baseline = None
+    if step != 0 and (rollouts := [r for r in await rt.store.query_rollouts() if _matches(r.metadata, {"eval_step": 0})]):
+        baseline = await rollout_scores(rt.store, rollouts)
+    sliced = slice_size and len(scores) > slice_size
+    metrics = eval_metrics("eval", scores[:slice_size] if sliced else scores, baseline)
+    if sliced:
+        metrics.update(eval_metrics("eval_all", scores, baseline))
     if step == 0:
         await log_baseline(rt, metrics)
-    elif baseline := [r for r in await rt.store.query_rollouts() if _matches(r.metadata, {"eval_step": 0})]:
-        for name, change in paired_changes(await rollout_scores(rt.store, baseline), scores).items():
-            for key in ("before", "gained", "lost", "p"):
-                metrics[f"eval/{name}_{'base' if key == 'before' else key}"] = change[key]
+    return metrics
+
+
+def eval_metrics(prefix: str, scores: Sequence[dict], baseline: Sequence[dict] | None) -> dict[str, float]:
+    """Means, Wilson intervals of the 0/1 scores, and (given the baseline's scores) the paired
+    comparison on the tasks both scored, as ``<prefix>/<name>`` metrics."""
+    metrics = {f"{prefix}/{k}": v for k, v in summarize(scores).items()}
+    for name, rate in rate_intervals(scores).items():
+        metrics[f"{prefix}/{name}_lo"], metrics[f"{prefix}/{name}_hi"] = rate["lo"], rate["hi"]
+    for name, change in paired_changes(baseline or [], scores).items():
+        for key in ("before", "gained", "lost", "p"):
+            metrics[f"{prefix}/{name}_{'base' if key == 'before' else key}"] = change[key]
     return metrics

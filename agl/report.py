@@ -179,7 +179,7 @@ def _by_step_section(rows: list[dict], step_summary: list[tuple]) -> str:
     if not rows:
         return "(no metrics)"
     keys = [k for k in ("reward_mean", "rollouts_failed", "loss", "eval/reward") if any(k in r for r in rows)]
-    keys += sorted({k for r in rows for k in r if k.startswith("eval/") and any(h in k for h in ACCURACY_HINTS) and not is_derived(r, k)})
+    keys += sorted({k for r in rows for k in r if k.startswith(("eval/", "eval_all/")) and any(h in k for h in ACCURACY_HINTS) and not is_derived(r, k)})
     failed = {s: f for s, _, _, f, _, _ in step_summary}
     table = [[r["step"], *[with_interval(r, k) for k in keys]] for r in rows]
     if failed and "rollouts_failed" not in keys:

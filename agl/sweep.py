@@ -162,7 +162,7 @@ def job_record(job_dir: Path) -> dict:
         metrics["final reward"] = _final(rows, "reward_mean")
         metrics["best reward"], _ = _best(rows, "reward_mean")
         metrics["final loss"] = _final(rows, "loss") if metrics["final reward"] is None else None
-        for key in sorted({k for r in rows for k in r if k.startswith("eval/") and not is_derived(r, k)} - IGNORED_EVAL):
+        for key in sorted({k for r in rows for k in r if k.startswith(("eval/", "eval_all/")) and not is_derived(r, k)} - IGNORED_EVAL):
             last = next(r for r in reversed(rows) if r.get(key) is not None)
             metrics[f"final {key}"] = with_interval(last, key)
             if (change := vs_base(last, key)) is not None:

@@ -39,6 +39,9 @@ class GRPOTrainer:
         self.train_rows = rt.task.load(cfg.task.train_split)
         eval_rows = rt.task.load(cfg.task.eval_split)
         self.eval_rows = eval_rows[: cfg.task.eval_size] if cfg.task.eval_size else eval_rows
+        # the baseline and the final eval: a superset of eval_rows, for the paired test at the end
+        end_size = cfg.task.get("final_eval_size")
+        self.end_rows = self.eval_rows if end_size is None else (eval_rows[:end_size] if end_size else eval_rows)
         self.cursor = TaskCursor(len(self.train_rows), cfg.seed)
         self.update = GRPOUpdate(rt.policy, GRPOConfig.from_cfg(self.algo))
         self.step = 0
@@ -134,7 +137,11 @@ class GRPOTrainer:
     async def _eval_if_due(self, step: int) -> dict:
         every = self.algo.eval_every
         due = step == 0 or (every and step % every == 0) or step == self.algo.steps
-        return await eval_during_training(self.rt, self.cfg, self.eval_rows, step) if due else {}
+        if not due:
+            return {}
+        end = step in (0, self.algo.steps)
+        rows = self.end_rows if end else self.eval_rows
+        return await eval_during_training(self.rt, self.cfg, rows, step, slice_size=len(self.eval_rows) if end else 0)
 
 
 async def train(cfg: DictConfig, run_dir: Path) -> dict:

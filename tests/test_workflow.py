@@ -45,9 +45,10 @@ def metrics_lines(run_dir):
 
 @pytest.fixture(scope="module")
 def grpo_run(tmp_path_factory):
-    """Two GRPO steps with a greedy eval before and after (the end of training)."""
+    """Two GRPO steps with a greedy eval before and after (the end of training), on 8 tasks."""
     run_dir = tmp_path_factory.mktemp("grpo")
-    cfg = compose_cfg(VOWELS + ["algo=grpo", "algo.steps=2", "algo.batch_size=2", "algo.group_size=4", "algo.micro_batch_size=4", "algo.lr=3e-2", "algo.eval_every=0"])
+    cfg = compose_cfg(VOWELS + ["algo=grpo", "algo.steps=2", "algo.batch_size=2", "algo.group_size=4", "algo.micro_batch_size=4", "algo.lr=3e-2", "algo.eval_every=0",
+                                "task.final_eval_size=8"])  # the baseline and final evals cover 8 tasks, eval/ the first 6
     asyncio.run(train(cfg, run_dir))
     return run_dir
 
@@ -56,6 +57,8 @@ async def test_eval_of_a_saved_adapter_reproduces_the_training_eval(grpo_run, tm
     lines = metrics_lines(grpo_run)
     baseline, final = lines[0], lines[-1]
     assert baseline["step"] == -1 and final["step"] == 1 and "eval/reward" in final
+    assert baseline["eval/n"] == final["eval/n"] == 6 and baseline["eval_all/n"] == final["eval_all/n"] == 8
+    assert 0 < final["eval_all/said_a_p"] <= 1 and final["eval_all/said_a_base"] == baseline["eval_all/said_a"]
 
     trained = await run_eval(compose_cfg(VOWELS + ["algo=eval", f"model.adapter={grpo_run}"]), tmp_path / "trained")
     assert trained["tasks"] == 6 and trained["adapter"] == str(grpo_run / "adapter")
@@ -65,8 +68,9 @@ async def test_eval_of_a_saved_adapter_reproduces_the_training_eval(grpo_run, tm
     assert base["summary"]["reward"] == baseline["eval/reward"]  # and the base model = the baseline eval
     # token for token: the eval job's replies are the training run's final-eval replies
     at_end, at_start = await _replies(grpo_run, eval_step=2), await _replies(grpo_run, eval_step=0)
-    assert await _replies(tmp_path / "trained", eval="eval") == at_end
-    assert await _replies(tmp_path / "base", eval="eval") == at_start
+    trained_replies = await _replies(tmp_path / "trained", eval="eval")
+    assert trained_replies == {t: at_end[t] for t in trained_replies}  # its 6 tasks are the first 6 of the 8
+    assert await _replies(tmp_path / "base", eval="eval") == {t: at_start[t] for t in trained_replies}
     assert at_end != at_start  # the adapter changed what the policy says, so the match means something
 
     written = json.loads((tmp_path / "trained" / "eval.json").read_text())
