@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from agl.errors import ConfigError
 from agl.evaluate import evaluate_rows, fmt, markdown_table, rate_intervals, summarize
+from agl.failures import rollout_failures
 from agl.runtime import Runtime
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ async def run_eval(cfg: DictConfig, run_dir: Path) -> dict:
             tag={"eval": "eval"}, desc=f"eval {algo.split}",
         )
         summary = summarize(scores, k=algo.k, pass_threshold=algo.pass_threshold)
+        failures = await rollout_failures(rt.store, {s["rollout_id"]: s["status"] for s in scores})
         await rt.store.log_metrics(0, {f"eval/{k}": v for k, v in summary.items()})
     result = {
         "task": cfg.task.name, "model": cfg.model.name, "adapter": adapter, "split": algo.split, "tasks": len(rows),
@@ -74,6 +76,8 @@ async def run_eval(cfg: DictConfig, run_dir: Path) -> dict:
         "intervals": rate_intervals(scores),
     }
     text = eval_markdown(result)
+    if failures.failed:  # the table counts them as reward 0; say how many and why
+        text += "\n\n" + failures.describe(f"eval {algo.split}")
     (run_dir / "eval.md").write_text(text + "\n")
     (run_dir / "eval.json").write_text(json.dumps({**result, "rollouts": scores}, indent=1, default=str) + "\n")
     print(text)

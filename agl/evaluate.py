@@ -14,6 +14,7 @@ from collections import defaultdict
 from typing import Any, Sequence
 
 from agl.adapter import final_reward
+from agl.failures import check_rollouts
 from agl.stats import is_binary, paired_change, rate_with_interval
 from agl.types import Rollout, RolloutStatus
 
@@ -119,6 +120,7 @@ async def evaluate_rows(
     if len(existing) != len(inputs):
         existing = []  # nothing (or something else) under this tag: enqueue afresh
     rollouts = await rt.run_rollouts(inputs, metadata, mode=mode, resources_id=resources_id, existing=existing, desc=desc)
+    await check_rollouts(rt.store, rollouts, desc)  # all failed: the job fails, with the most common error
     return await rollout_scores(rt.store, rollouts)
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 MAX_N = 64  # choices per request; the engine's batch is the real bound (checked by the server)
 MAX_STOP_STRINGS = 16
@@ -53,6 +53,13 @@ def conflict(message: str, code: str = "conflict") -> APIError:
     return APIError(409, message, "conflict_error", None, code)
 
 
+def model_not_found(model: str, served: Sequence[str]) -> APIError:
+    """OpenAI's answer to a model name it does not serve; ours also names the ones it does."""
+    names = ", ".join(f"'{name}'" for name in served)
+    message = f"The model '{model}' does not exist on this route, which serves {names} (an agent gets the name as llm.model)."
+    return APIError(404, message, "invalid_request_error", "model", "model_not_found")
+
+
 def unauthorized(message: str = "Missing or invalid API key (expected 'Authorization: Bearer <key>').") -> APIError:
     return APIError(401, message, "authentication_error", None, "invalid_api_key")
 
@@ -62,7 +69,7 @@ def validation_error(exc: ValidationError) -> APIError:
     first = exc.errors(include_url=False)[0]
     loc = [str(part) for part in first.get("loc", ()) if not str(part).startswith(("function-", "tagged-union"))]
     param = ".".join(loc) or None
-    message = first.get("msg", "invalid request")
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")  # pydantic's prefix to our own messages
     return bad_request(f"{param}: {message}" if param else message, param=param, code="invalid_value")
 
 
@@ -99,6 +106,21 @@ class TextPart(_Lenient):
     text: str
 
 
+IMAGE_PARTS = ("image_url", "input_image")
+
+
+def _text_parts_only(content: Any) -> Any:
+    """Name what a text model cannot read, rather than failing the union of content shapes."""
+    if isinstance(content, list):
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in IMAGE_PARTS:
+                raise ValueError(f"Images are not supported: this model reads text only (content part of type '{kind}').")
+            if isinstance(kind, str) and kind != "text":
+                raise ValueError(f"Content parts of type '{kind}' are not supported: this model reads text only.")
+    return content
+
+
 class FunctionCall(_Lenient):
     name: str
     arguments: str = "{}"  # JSON text, as the model wrote it
@@ -116,13 +138,28 @@ class ToolCall(_Lenient):
 
 
 class Message(_Lenient):
-    """One chat message. ``content`` may be a string or a list of text parts."""
+    """One chat message. ``content`` may be a string or a list of text parts.
 
-    role: Literal["system", "user", "assistant", "tool"]
+    ``developer`` is OpenAI's newer name for ``system`` (newer SDKs send it); templates get ``system``.
+    """
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
-    tool_call_id: Optional[str] = None
+    tool_call_id: Optional[str] = Field(default=None, validate_default=True)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        return _text_parts_only(value)
+
+    @field_validator("tool_call_id")
+    @classmethod
+    def _tool_call_id_required(cls, value: Optional[str], info: ValidationInfo) -> Optional[str]:
+        if value is None and info.data.get("role") == "tool":  # so the param named is messages.<i>.tool_call_id
+            raise ValueError("a 'tool' message needs 'tool_call_id' (the id of the call it answers)")
+        return value
 
     @model_validator(mode="after")
     def _content_required(self) -> "Message":
@@ -152,6 +189,17 @@ class Tool(_Lenient):
     function: FunctionDef
 
 
+class ToolChoiceFunction(_Lenient):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Lenient):
+    """``{"type": "function", "function": {"name": ...}}``: the reply must call this function."""
+
+    type: Literal["function"]
+    function: ToolChoiceFunction
+
+
 class StreamOptions(_Lenient):
     include_usage: bool = False
 
@@ -159,7 +207,7 @@ class StreamOptions(_Lenient):
 class _SamplingRequest(_Lenient):
     """Fields shared by chat and text completions."""
 
-    model: Optional[str] = None  # accepted and ignored: the route serves one policy
+    model: Optional[str] = None  # checked by the server (its policy's name or model_names); may be omitted
     max_tokens: Optional[int] = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
@@ -197,7 +245,29 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: Optional[list[Tool]] = None
-    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _choice_shape(cls, value: Any) -> Any:  # one clear message instead of one per shape of the union
+        if value is None or value in ("none", "auto", "required"):
+            return value
+        function = value.get("function") if isinstance(value, dict) else None
+        if isinstance(function, dict) and value.get("type") == "function" and isinstance(function.get("name"), str) and function["name"]:
+            return value
+        raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_needs_tools(cls, value: Any, info: ValidationInfo) -> Any:
+        if value in (None, "none", "auto") or "tools" not in info.data:  # tools invalid: that error is reported
+            return value
+        names = [tool.function.name for tool in info.data["tools"] or []]
+        if not names:
+            raise ValueError("'tool_choice' \"required\" or a named function needs 'tools'")
+        if isinstance(value, NamedToolChoice) and value.function.name not in names:
+            raise ValueError(f"function '{value.function.name}' is not in 'tools' ({', '.join(names)})")
+        return value
 
     @model_validator(mode="after")
     def _check(self) -> "ChatCompletionRequest":
@@ -209,6 +279,11 @@ class ChatCompletionRequest(_SamplingRequest):
     def token_limit(self) -> int | None:
         """``max_completion_tokens`` (the newer name) wins over ``max_tokens``."""
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def tool_choice_json(self) -> str | dict | None:
+        """``tool_choice`` as the client sent it (a named choice as a dict)."""
+        return self.tool_choice.model_dump() if isinstance(self.tool_choice, BaseModel) else self.tool_choice
 
     @property
     def n_top_logprobs(self) -> int:

@@ -18,10 +18,24 @@ Choices worth knowing:
   - Returned text is exactly what was sampled, special tokens included, minus a final stop
     token and anything from a matched stop string on. ``logprobs`` and ``token_ids`` cover
     every sampled token, the final stop token included (it is part of what the trainer sees).
-  - ``tool_choice`` "required" or a named function is not enforced (the template is told about
-    the tools as with "auto"); "none" renders and parses no tools.
-  - With tools, a streamed reply arrives as one delta when the sequence ends, because tool-call
-    text can only be parsed whole.
+  - Tools work on every model. A model whose chat template has no tool section gets the
+    built-in Hermes/Qwen-style tool prompt inside its own template (``agl.tool_prompt``); each
+    span's ``chat_template`` attribute says which rendered it ("model" or "agl-hermes-tools").
+    Replies are parsed for ``<tool_call>`` blocks (``agl.chat.ToolCallParser``).
+  - ``tool_choice`` "required" or a named function is enforced by forcing the start of the
+    reply: the tokens of ``<tool_call>\\n{"name": "`` (required) or ``<tool_call>\\n{"name":
+    "<fn>", "arguments":`` (named) are appended to the prompt, then the rest is sampled. They
+    were not sampled, so they belong to the span's prompt ids (no loss, no logprobs); the span
+    says how many (``forced_tokens``) and usage counts them as prompt tokens. The returned
+    message is parsed from forced + sampled text, so it is a tool call (unless max_tokens ends
+    it before the name does). "none" renders and parses no tools.
+  - Streamed tool calls arrive as OpenAI's do: a ``tool_calls`` delta with index, id, type and
+    name (empty arguments) as soon as the name is complete, then argument fragments; text
+    before a call streams as content.
+  - Bad input is answered as OpenAI answers it, never with a 5xx: ``model`` must be the
+    policy's name or one of the server's ``model_names`` (else 404 ``model_not_found``; a
+    request without ``model`` is served too); a ``developer`` message is a system message to
+    the template; a ``tool`` message needs ``tool_call_id``; image parts are a 400 (text only).
   - A rollout call without a ``seed`` samples with one derived from the run seed and the
     call's identity (``agl.seeding.call_seed``), so what it samples does not depend on
     scheduling; the span records the seed used and where it came from. Unscoped calls
@@ -40,7 +54,7 @@ import math
 import secrets
 import socket
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -48,7 +62,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agl.chat import Delta, History, OutputAssembler, Turn, decode, parse_tool_calls, render_prompt, template_messages
+from agl import tool_prompt
+from agl.chat import Delta, History, OutputAssembler, ToolCallParser, Turn, decode, render_prompt, template_messages
 from agl.engine import SamplingParams, SequenceStream
 from agl.openai_schema import (
     APIError,
@@ -57,6 +72,7 @@ from agl.openai_schema import (
     bad_request,
     conflict,
     error_body,
+    model_not_found,
     not_found,
     parse_request,
     unauthorized,
@@ -88,6 +104,8 @@ class _Choice:
     finish_reason: str | None = None
     content: str | None = None
     tool_calls: list[dict] = dataclasses.field(default_factory=list)
+    tools: ToolCallParser | None = None  # set when the reply is parsed for tool calls
+    pending: Delta | None = None  # streamed tokens whose text the tool parser still holds back
 
 
 @dataclasses.dataclass
@@ -103,6 +121,9 @@ class _Call:
     seed: int | None  # the request's own, or derived for a rollout call (None: unscoped, unseeded)
     received_at: float  # perf_counter at arrival
     received_wall: float  # time.time() at arrival
+    template: str | None = None  # chat: which template rendered the prompt (agl.tool_prompt.MODEL / BUILTIN)
+    forced_ids: list[int] = dataclasses.field(default_factory=list)  # the prompt's last ids: a forced reply start
+    forced_text: str = ""  # their text, where the parsed reply begins
     id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(12))
     choices: list[_Choice] = dataclasses.field(default_factory=list)
 
@@ -139,6 +160,7 @@ class ModelServer:
         api_key: str | None = None,
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         seed: int = 0,
+        model_names: Sequence[str] = (),
     ):
         self.engine = engine
         self.policy = policy
@@ -148,6 +170,8 @@ class ModelServer:
         self.api_key = api_key
         self.default_max_tokens = default_max_tokens
         self.seed = seed  # the run seed: rollout calls without a seed of their own derive one from it
+        # what requests may name in `model`: the policy, and names registered for it (e.g. helper models)
+        self.model_names = tuple(dict.fromkeys([policy.name, *model_names]))
         self.history = History()
         self.call_numbers = CallCounter()
         self.app = self._build_app()
@@ -244,7 +268,10 @@ class ModelServer:
     async def _models(self) -> dict:
         return {
             "object": "list",
-            "data": [{"id": self.policy.name, "object": "model", "created": 0, "owned_by": "agl", "max_model_len": self.policy.context_length}],
+            "data": [
+                {"id": name, "object": "model", "created": 0, "owned_by": "agl", "max_model_len": self.policy.context_length}
+                for name in self.model_names
+            ],
         }
 
     # ------------------------------------------------------------------ endpoints
@@ -252,22 +279,31 @@ class ModelServer:
     async def _chat(self, request: Request) -> Response:
         received_at, received_wall = time.perf_counter(), time.time()
         req = parse_request(ChatCompletionRequest, await request.body())
+        self._check_model(req.model)
         scope, seed = await self._check_scope(request, req.seed)
         use_tools = bool(req.tools) and req.tool_choice != "none"
-        if use_tools and not self.policy.supports_tools:
-            raise bad_request(f"The chat template of model '{self.policy.name}' does not support tools.", param="tools", code="tools_not_supported")
         tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if use_tools else None
+        messages = template_messages(req.messages)
         turns = await self._turns(scope) if scope else ()
+        template = tool_prompt.MODEL
+        if tool_prompt.needs_builtin(self.policy.supports_tools, messages, tools):
+            messages, template = tool_prompt.builtin_messages(messages, tools, [t.reply_text for t in turns]), tool_prompt.BUILTIN
         try:
-            prompt = render_prompt(self.policy, template_messages(req.messages), tools, turns)
+            prompt = render_prompt(self.policy, messages, tools if template == tool_prompt.MODEL else None, turns)
         except Exception as exc:  # jinja errors: roles that must alternate, missing fields, ...
             raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from None
-        call = _Call("chat", req, prompt.ids, scope, tools, prompt.reused, seed, received_at, received_wall)
+        forced_text = tool_prompt.forced_prefix(req.tool_choice_json) if use_tools else ""
+        forced = self.policy.tokenizer.encode(forced_text, add_special_tokens=False) if forced_text else []
+        call = _Call(
+            "chat", req, prompt.ids + forced, scope, tools, prompt.reused, seed, received_at, received_wall,
+            template=template, forced_ids=forced, forced_text=decode(self.policy.tokenizer, forced),
+        )
         return await self._generate(request, call)
 
     async def _completions(self, request: Request) -> Response:
         received_at, received_wall = time.perf_counter(), time.time()
         req = parse_request(CompletionRequest, await request.body())
+        self._check_model(req.model)
         scope, seed = await self._check_scope(request, req.seed)
         if isinstance(req.prompt, str):
             prompt_ids = self.policy.tokenizer(req.prompt)["input_ids"]
@@ -280,6 +316,10 @@ class ModelServer:
             raise bad_request("The prompt is empty.", param="prompt")
         call = _Call("completion", req, list(prompt_ids), scope, None, 0, seed, received_at, received_wall)
         return await self._generate(request, call)
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise model_not_found(model, self.model_names)
 
     async def _check_scope(self, request: Request, seed: int | None) -> tuple[tuple[str, str] | None, int | None]:
         """(rollout_id, attempt_id) of a rollout route, after 404 / 409 checks (None if unscoped),
@@ -312,10 +352,7 @@ class ModelServer:
                 s for s in await self.store.query_spans(*scope)
                 if s.name == "llm.chat" and s.prompt_token_ids and s.response_token_ids is not None
             ]
-            turns = [
-                Turn(list(s.prompt_token_ids), list(s.response_token_ids), decode(self.policy.tokenizer, s.prompt_token_ids))
-                for s in calls[-self.history.turns_per_attempt:]  # the last chat turns, whatever spans came between
-            ]
+            turns = [_turn_of(self.policy.tokenizer, s) for s in calls[-self.history.turns_per_attempt:]]  # the last chat turns
             self.history.load(scope, turns)
         return turns
 
@@ -357,7 +394,8 @@ class ModelServer:
         streams = self.engine.submit(call.prompt_ids, params, n=call.req.n)
         tokenizer, stops = self.policy.tokenizer, call.req.stop_strings
         call.choices = [
-            _Choice(i, s, OutputAssembler(tokenizer, stops, s.stop_ids, top_logprobs=params.top_logprobs > 0)) for i, s in enumerate(streams)
+            _Choice(i, s, OutputAssembler(tokenizer, stops, s.stop_ids, top_logprobs=params.top_logprobs > 0), tools=ToolCallParser() if call.tools else None)
+            for i, s in enumerate(streams)
         ]
         if call.req.stream:
             return StreamingResponse(self._sse(call), media_type="text/event-stream")
@@ -368,6 +406,10 @@ class ModelServer:
         finally:
             for choice in call.choices:
                 choice.stream.cancel()
+        for choice in call.choices:
+            if choice.tools is not None:
+                choice.tools.feed(call.forced_text + choice.out.text)
+                self._settle_tools(choice)
         await self._record(call)
         return JSONResponse(self._response(call))
 
@@ -390,10 +432,15 @@ class ModelServer:
             raise APIError(503, "The engine stopped before this request finished.", "server_error", code="engine_stopped")
         choice.finish_reason = "stop" if out.stop_matched else choice.stream.finish_reason
         choice.content = out.text
-        if call.tools:
-            choice.content, choice.tool_calls = parse_tool_calls(out.text)
-            if choice.tool_calls:
-                choice.finish_reason = "tool_calls"
+
+    @staticmethod
+    def _settle_tools(choice: _Choice) -> list[dict]:
+        """The reply's text is all fed to its tool parser: take the content and calls from it."""
+        deltas = choice.tools.finish()
+        choice.content, choice.tool_calls = choice.tools.content, choice.tools.calls
+        if choice.tool_calls and not choice.tools.cut_in_call:  # a call cut short by max_tokens stays "length"
+            choice.finish_reason = "tool_calls"
+        return deltas
 
     async def _sse(self, call: _Call) -> AsyncIterator[str]:
         """Server-sent events of a streamed call; choices run concurrently into one queue."""
@@ -401,12 +448,25 @@ class ModelServer:
         done = object()
 
         async def emit(choice: _Choice, delta: Delta) -> None:
-            await queue.put(self._chunk(call, choice, delta, finish_reason=None))
+            if choice.tools is None:
+                await queue.put(self._chunk(call, choice, delta, finish_reason=None))
+            else:
+                for chunk in self._tool_chunks(call, choice, delta, choice.tools.feed(delta.text)):
+                    await queue.put(chunk)
 
         async def run(choice: _Choice) -> None:
             try:
-                await self._run_choice(call, choice, None if call.tools else emit)
-                await queue.put(self._chunk(call, choice, choice.out.release(final=True), choice.finish_reason))
+                if choice.tools is not None and call.forced_text:  # forced text: its deltas come first
+                    await emit(choice, Delta(call.forced_text, [], [], None if choice.out.top_logprobs is None else []))
+                await self._run_choice(call, choice, emit)
+                final = choice.out.release(final=True)
+                if choice.tools is None:
+                    await queue.put(self._chunk(call, choice, final, choice.finish_reason))
+                else:
+                    deltas = choice.tools.feed(final.text) + self._settle_tools(choice)
+                    for chunk in self._tool_chunks(call, choice, final, deltas):
+                        await queue.put(chunk)
+                    await queue.put(self._chunk(call, choice, choice.pending or _no_tokens(final), choice.finish_reason, message={}))
             except Exception as exc:
                 await queue.put(exc)
             finally:
@@ -470,16 +530,25 @@ class ModelServer:
             body["prompt_token_ids"] = call.prompt_ids
         return body
 
-    def _chunk(self, call: _Call, choice: _Choice, delta: Delta | None, finish_reason: str | None) -> dict:
-        """One streamed chunk; ``delta=None`` is the opening chunk of a choice."""
+    def _tool_chunks(self, call: _Call, choice: _Choice, delta: Delta, messages: list[dict]) -> list[dict]:
+        """One chunk per tool-parser delta (content, a call, an argument fragment); the tokens
+        consumed so far travel with the first. Tokens whose text is still held back wait."""
+        tokens = delta if choice.pending is None else _joined(choice.pending, delta)
+        if not messages:
+            choice.pending = tokens
+            return []
+        choice.pending = None
+        return [self._chunk(call, choice, tokens if i == 0 else _no_tokens(tokens), None, message) for i, message in enumerate(messages)]
+
+    def _chunk(self, call: _Call, choice: _Choice, delta: Delta | None, finish_reason: str | None, message: dict | None = None) -> dict:
+        """One streamed chunk; ``delta=None`` is the opening chunk of a choice. ``message``
+        replaces the chat delta's ``{"content": delta.text}`` (tool calls)."""
         body = self._envelope(call, chunk=True)
         if call.kind == "chat":
             if delta is None:
                 content: dict[str, Any] = {"role": "assistant", "content": ""}
-            elif call.tools and finish_reason is not None:  # tools: everything arrives at the end
-                content = {"content": choice.content}
-                if choice.tool_calls:
-                    content["tool_calls"] = [{"index": j, **tc} for j, tc in enumerate(choice.tool_calls)]
+            elif message is not None:
+                content = message
             else:
                 content = {"content": delta.text}
             item = {"index": choice.index, "delta": content}
@@ -547,7 +616,7 @@ class ModelServer:
             "ignore_eos": req.ignore_eos,
         }
         if call.kind == "chat":
-            request = {"messages": [m.model_dump(exclude_none=True) for m in req.messages], "tools": call.tools, "sampling": sampling}
+            request = {"messages": [m.model_dump(exclude_none=True) for m in req.messages], "tools": call.tools, "tool_choice": req.tool_choice_json, "sampling": sampling}
         else:
             request = {"prompt": req.prompt, "sampling": sampling}
         trace_id = secrets.token_hex(16)
@@ -567,6 +636,9 @@ class ModelServer:
                 "prompt_reused_tokens": call.reused_tokens,
                 "timings": _timings(call, stream),
             }
+            if call.kind == "chat":
+                attributes["chat_template"] = call.template
+                attributes["forced_tokens"] = len(call.forced_ids)
             span = Span(
                 rollout_id=rollout_id,
                 attempt_id=attempt_id,
@@ -581,7 +653,23 @@ class ModelServer:
             )
             await self.store.add_span(span)
             if call.kind == "chat":
-                self.history.add(call.scope, Turn(call.prompt_ids, out.token_ids, prompt_text))
+                self.history.add(call.scope, Turn(call.prompt_ids, out.token_ids, prompt_text, call.forced_text + out.text))
+
+
+def _turn_of(tokenizer: Any, span: Span) -> Turn:
+    """The turn a recorded chat span was: its reply text is its forced tokens' text + the returned text."""
+    forced = span.attributes.get("forced_tokens") or 0
+    reply = (decode(tokenizer, span.prompt_token_ids[-forced:]) if forced else "") + (span.attributes.get("response_text") or "")
+    return Turn(list(span.prompt_token_ids), list(span.response_token_ids), decode(tokenizer, span.prompt_token_ids), reply)
+
+
+def _joined(first: Delta, then: Delta) -> Delta:
+    tops = None if first.top_logprobs is None else first.top_logprobs + (then.top_logprobs or [])
+    return Delta(first.text + then.text, first.token_ids + then.token_ids, first.logprobs + then.logprobs, tops)
+
+
+def _no_tokens(like: Delta) -> Delta:
+    return Delta("", [], [], None if like.top_logprobs is None else [])
 
 
 def _timings(call: _Call, stream: SequenceStream) -> dict:

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from agl.adapter import spans_to_samples
 from agl.checkpoint import TaskCursor, append_metrics, restore_checkpoint, save_checkpoint
 from agl.evaluate import eval_during_training
+from agl.failures import check_rollouts
 from agl.grpo import GRPOConfig, GRPOUpdate, advantages
 from agl.runtime import Runtime, succeeded
 
@@ -91,6 +92,7 @@ class GRPOTrainer:
         existing = await rt.store.query_rollouts(step=step)  # a resumed step's rollouts
         prefilled_before = rt.engine.stats["prefill_tokens"]
         rollouts = await rt.run_rollouts(inputs, metadata, mode="train", resources_id=resources_id, existing=existing, desc=f"step {step}")
+        await check_rollouts(rt.store, rollouts, f"training step {step}")  # all failed: nothing to learn, the job fails
         rollout_s = time.perf_counter() - started
 
         finished = succeeded(rollouts)

@@ -52,7 +52,7 @@ async def route_run(server: ModelServer, work: list[list[dict]], clients: int, n
         tokens = 0
         for messages in share:
             r = await client.chat.completions.create(
-                model="policy", messages=messages, max_tokens=new_tokens, temperature=0, extra_body={"ignore_eos": True}
+                model=server.policy.name, messages=messages, max_tokens=new_tokens, temperature=0, extra_body={"ignore_eos": True}
             )
             assert r.usage.completion_tokens == new_tokens, r.usage
             tokens += r.usage.completion_tokens

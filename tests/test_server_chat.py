@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl.chat import History, OutputAssembler, Turn, decode, parse_tool_calls, render_prompt, template_messages
+from agl import tool_prompt
+from agl.chat import History, OutputAssembler, ToolCallParser, Turn, decode, parse_tool_calls, render_prompt, template_messages
 from agl.model import Policy, resolve_model_path
 from agl.openai_schema import APIError, ChatCompletionRequest, CompletionRequest, parse_request
 
@@ -73,6 +74,9 @@ def test_chat_request_accepts_openai_shapes_and_ignores_unknown_fields():
         ({"messages": [{"role": "user", "content": "x"}], "stop": [""]}, "stop"),
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, None),
         ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages.0.content"),
+        ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "3"}]}, "messages.1.tool_call_id"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice"),
+        ({"messages": [{"role": "user", "content": "x"}], "tool_choice": {"type": "function"}}, "tool_choice"),
         ({"messages": "hi"}, "messages"),
     ],
 )
@@ -82,6 +86,19 @@ def test_chat_request_rejections_name_the_param(body, param):
     assert err.value.status == 400 and err.value.type == "invalid_request_error"
     if param:
         assert err.value.param.startswith(param)
+
+
+def test_developer_messages_are_system_messages_and_images_are_named():
+    req = parse(ChatCompletionRequest, {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "x"}]})
+    assert [m["role"] for m in template_messages(req.messages)] == ["system", "user"]
+    for part in ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, {"type": "input_image", "image_url": "x"}):
+        with pytest.raises(APIError, match="Images are not supported"):
+            parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": [part]}]})
+    named = {"type": "function", "function": {"name": "add"}}
+    req = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [ADD], "tool_choice": named})
+    assert req.tool_choice_json == named
+    with pytest.raises(APIError, match="'sub' is not in 'tools'"):
+        parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [ADD], "tool_choice": {**named, "function": {"name": "sub"}}})
 
 
 def test_invalid_json_and_non_object_bodies_are_400():
@@ -177,6 +194,100 @@ def test_parse_tool_calls():
     bad = "<tool_call>{not json}</tool_call>"
     assert parse_tool_calls(bad) == (bad, [])
     assert parse_tool_calls('<tool_call>{"name": "f"}</tool_call>')[0] is None
+    # arguments are the model's own text; a call cut short (max_tokens) is still a call, as OpenAI's are
+    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": {"a":1} }</tool_call>')[1][0]["function"]["arguments"] == '{"a":1}'
+    assert parse_tool_calls('<tool_call>\n{"name": "f", "arguments": {"a": [1')[1][0]["function"] == {"name": "f", "arguments": '{"a": [1'}
+    cut, whole = ToolCallParser(), ToolCallParser()
+    cut.feed('<tool_call>{"name": "f", "arguments": {"a": [1'), whole.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call> and on')
+    cut.finish(), whole.finish()
+    assert cut.cut_in_call and not whole.cut_in_call  # finish_reason "length" vs "tool_calls"
+    assert parse_tool_calls('x <tool_call>{"name": "f"')  == ('x <tool_call>{"name": "f"', [])
+
+
+def assemble_deltas(deltas):
+    """What a client makes of streamed deltas: content joined, tool calls merged by index."""
+    content, calls = "", {}
+    for delta in deltas:
+        content += delta.get("content", "")
+        for tc in delta.get("tool_calls", []):
+            call = calls.setdefault(tc["index"], {"id": None, "name": None, "arguments": ""})
+            if "id" in tc:
+                assert call["id"] is None and tc["function"]["arguments"] == ""  # announced once, with empty arguments
+                call["id"], call["name"] = tc["id"], tc["function"]["name"]
+            call["arguments"] += tc["function"].get("arguments", "")
+    return content or None, [(c["id"], c["name"], c["arguments"]) for _, c in sorted(calls.items())]
+
+
+pieces = st.sampled_from([
+    "Sure. ", " ", "\n", "<tool_call>", "</tool_call>", "<tool_", "call>", '{"name": "add", "arguments": ', '{"name": "f"}', "{",
+    '{"a": 1}', "}", '"{\\"x\\": 2}"', '{"arguments": {}, "name": "g"}', "oops", '"name"', ": ", "\\",
+])
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.lists(pieces, max_size=12).map("".join), data=st.data())
+def test_streamed_tool_deltas_add_up_to_the_whole_parse_however_the_text_is_cut(text, data):
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=8)))
+    parser, deltas, last = ToolCallParser(), [], 0
+    for cut in cuts + [len(text)]:
+        deltas += parser.feed(text[last:cut])
+        last = cut
+    deltas += parser.finish()
+    content, calls = parse_tool_calls(text)
+    assert assemble_deltas(deltas) == (content, [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in parser.calls])
+    assert (parser.content, [(c["function"]["name"], c["function"]["arguments"]) for c in parser.calls]) == (
+        content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    )
+
+
+def test_content_streams_before_the_call_and_arguments_stream_in_fragments():
+    parser = ToolCallParser()
+    assert parser.feed("Adding. <tool") == [{"content": "Adding."}]  # the tag's start is held back
+    announced, fragment = parser.feed('_call>\n{"name": "add", "arguments": {"a"')
+    assert announced["tool_calls"][0]["function"] == {"name": "add", "arguments": ""}
+    assert fragment == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a"'}}]}
+    assert parser.feed(": 1}") == [{"tool_calls": [{"index": 0, "function": {"arguments": ': 1'}}]}]  # "}" may close the call
+    assert parser.feed("}\n</tool_call>") == [{"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}]
+    assert parser.finish() == [] and parser.calls[0]["function"]["arguments"] == '{"a": 1}'
+
+
+# ----------------------------------------------------------------------------- the built-in tool prompt
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Add", "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}
+
+
+def test_builtin_tool_prompt_renders_inside_the_models_own_template(policy, tokenizer):
+    messages = [
+        {"role": "system", "content": "Be exact."},
+        {"role": "user", "content": "1+2?"},
+        {"role": "assistant", "content": "Let me add.", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+        {"role": "tool", "tool_call_id": "c2", "content": "4"},
+    ]
+    assert tool_prompt.needs_builtin(policy.supports_tools, messages, [ADD]) and not tool_prompt.needs_builtin(True, messages, [ADD])
+    text = decode(tokenizer, render_prompt(policy, tool_prompt.builtin_messages(messages, [ADD]), None).ids)
+    assert text == (
+        "<|im_start|>system\nBe exact.\n\n" + tool_prompt.tools_section([ADD]) + "<|im_end|>\n"
+        "<|im_start|>user\n1+2?<|im_end|>\n"
+        '<|im_start|>assistant\nLet me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n4\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert json.dumps(ADD) in tool_prompt.tools_section([ADD])
+    # no system message: the tools make one; no tools (tool_choice "none"): no tools section
+    assert tool_prompt.builtin_messages(messages[1:2], [ADD])[0] == {"role": "system", "content": tool_prompt.tools_section([ADD])}
+    assert tool_prompt.builtin_messages(messages[:2], None) == messages[:2]
+
+
+def test_an_earlier_reply_is_rendered_as_the_model_wrote_it(policy):
+    reply = '  <tool_call>{"name":"add","arguments":{"a":1,"b":2}}</tool_call>'  # how the model wrote it
+    call = [{"id": "c9", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]
+    said = [{"role": "user", "content": "1+2?"}, {"role": "assistant", "content": "", "tool_calls": call}]
+    assert tool_prompt.builtin_messages(said, None, [reply, "other"])[1]["content"] == reply
+    canonical = tool_prompt.builtin_messages(said, None)[1]["content"]
+    assert canonical == '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    other_args = [{**call[0], "function": {"name": "add", "arguments": {"a": 1, "b": 3}}}]  # the agent changed the call
+    assert tool_prompt.builtin_messages([said[0], {**said[1], "tool_calls": other_args}], None, [reply])[1]["content"] != reply
 
 
 # ----------------------------------------------------------------------------- prefix reuse
