@@ -38,6 +38,10 @@ class GRPOConfig:
     drop_zero_std: bool = True  # groups whose rewards are all equal teach nothing
     weight_decay: float = 0.0
     old_logprobs: str = "recorded"  # recorded (from spans) | recompute (trainer forward before step)
+    # Coefficients of single loss types (see agl.loss); conf/algo/grpo.yaml has the same defaults.
+    opmd_tau: float = 1.0  # opmd: the loss is divided by 1 + tau (Trinity-RFT's default)
+    sapo_tau_pos: float = 1.0  # sapo: gate temperature where the advantage is > 0 (SAPO paper, TRL)
+    sapo_tau_neg: float = 1.05  # sapo: gate temperature where it is <= 0
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> "GRPOConfig":
@@ -288,6 +292,7 @@ class GRPOUpdate:
                     logp_BT, b.old_logp_BT, adv_B, b.mask_BT, w_BT,
                     loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
                     beta=cfg.beta, ref_logp_BT=ref_BT,
+                    sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg, opmd_tau=cfg.opmd_tau,
                 )
                 timings["forward_s"] += time.perf_counter() - start
                 start = time.perf_counter()

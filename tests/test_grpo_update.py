@@ -1,9 +1,14 @@
 """The GRPO update on the tiny model: shared-prompt batching is exact; a step moves only the LoRA."""
+import math
+from pathlib import Path
+
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from agl.adapter import Sample
 from agl.grpo import GRPOConfig, GRPOUpdate, TokenBatch, advantages, completion_logprobs, plan_micro_batches
+from agl.loss import LOSS_TYPES
 from agl.model import load_policy
 
 
@@ -82,3 +87,28 @@ def test_one_update_step_changes_only_the_lora_and_drops_zero_std_groups(policy)
     assert metrics["train_tokens"] == 8 and metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert all(torch.equal(p, frozen[n]) for n, p in policy.model.named_parameters() if not p.requires_grad)
     assert any(not torch.equal(p, lora[n]) for n, p in policy.model.named_parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("loss_type", ["cispo", "sapo", "opmd"])
+def test_one_update_step_with_each_new_loss_type_changes_the_lora(policy, loss_type):
+    prompt = list(range(200, 215))
+    samples = make_samples(prompt, [[5, 6, 7], [8, 9], [10], [11, 12]], [1.0, 0.0, 0.0, 1.0], group=loss_type)
+    kept, advs, _ = advantages(samples, "group", drop_zero_std=True)
+    lora = {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
+    # recorded log-probs (-1.0 here, far from the tiny model's ~-10.8) make the step off-policy,
+    # so the clip (cispo) and the gate (sapo) are away from r = 1; opmd ignores them.
+    update = GRPOUpdate(policy, GRPOConfig(lr=1e-2, loss_type=loss_type, micro_batch_size=3, epsilon_high=0.28))
+    metrics = update.step(kept, advs)
+    assert metrics["train_tokens"] == 8
+    assert all(map(math.isfinite, (metrics["loss"], metrics["grad_norm"]))) and metrics["grad_norm"] > 0
+    if loss_type == "cispo":  # every r = e^(logp + 1) < 0.8: all weights raised to 1 - epsilon, none dropped
+        assert metrics["clip_ratio_low"] == 1.0
+    assert any(not torch.equal(p, lora[n]) for n, p in policy.model.named_parameters() if p.requires_grad)
+
+
+def test_loss_coefficients_default_alike_in_grpo_config_and_the_yaml():
+    yaml = OmegaConf.load(Path(__file__).parent.parent / "conf" / "algo" / "grpo.yaml")
+    config = GRPOConfig.from_cfg({k: yaml[k] for k in ("opmd_tau", "sapo_tau_pos", "sapo_tau_neg")})
+    default = GRPOConfig()
+    assert (config.opmd_tau, config.sapo_tau_pos, config.sapo_tau_neg) == (default.opmd_tau, default.sapo_tau_pos, default.sapo_tau_neg)
+    assert yaml.loss_type in LOSS_TYPES and default.loss_type in LOSS_TYPES

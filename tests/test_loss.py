@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from agl.loss import group_advantages, policy_loss, token_weights
+from agl.loss import LOSS_TYPES, group_advantages, policy_loss, token_weights
 
 
 def close(actual, expected):
@@ -16,8 +16,14 @@ def test_token_weights_by_hand():
     assert token_weights(mask, "grpo", 3).tolist() == [[0.25, 0.25, 0.0], [0.5, 0.0, 0.0]]
     close(token_weights(mask, "dr_grpo", 3), [[1 / 6, 1 / 6, 0.0], [1 / 6, 0.0, 0.0]])
     close(token_weights(mask, "dapo", 3), [[1 / 3, 1 / 3, 0.0], [1 / 3, 0.0, 0.0]])
+    # sapo averages per sequence as the SAPO paper and TRL do; cispo and opmd per token (MiniMax-M1, Trinity)
+    assert token_weights(mask, "sapo", 3).tolist() == token_weights(mask, "grpo", 3).tolist()
+    for loss_type in ("cispo", "opmd"):
+        assert token_weights(mask, loss_type, 3).tolist() == token_weights(mask, "dapo", 3).tolist()
     with pytest.raises(ValueError):
         token_weights(mask, "ppo", 3)
+    with pytest.raises(ValueError):
+        policy_loss(mask, mask, torch.zeros(2), mask, mask, loss_type="ppo")
 
 
 def test_on_policy_grpo_loss_is_minus_mean_advantage():
@@ -72,7 +78,107 @@ def test_k3_kl_by_hand():
     assert float(loss.detach()) == pytest.approx(0.5 * k3)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "gspo"])
+def test_cispo_by_hand_clips_the_weight_not_the_gradient():
+    # token 0: r = e^0.5 = 1.6487 > 1.28, weight capped to 1.28; token 1: r = 1, weight 1. A = 1.
+    # per-token -sg(w) * A * logp: -1.28 * 0 = 0 and -1 * -1 = 1; cispo weights 1/2 each -> loss 0.5.
+    logp = torch.tensor([[0.0, -1.0]], requires_grad=True)
+    old = torch.tensor([[-0.5, -1.0]])
+    mask = torch.ones(1, 2)
+    loss, stats = policy_loss(logp, old, torch.tensor([1.0]), mask, token_weights(mask, "cispo", 2),
+                              loss_type="cispo", epsilon=0.2, epsilon_high=0.28)
+    assert float(loss.detach()) == pytest.approx(0.5)
+    assert float(stats["clip_ratio_high"]) == 0.5 and float(stats["clip_ratio_low"]) == 0.0
+    loss.backward()
+    # d/dlogp = -w * A * 1/2: the clipped token keeps -1.28/2 = -0.64. Token 1 gets -1/2; without
+    # the stop-gradient it would be -A * d(r logp)/dlogp / 2 = -(r logp + r)/2 = 0 at logp = -1.
+    assert logp.grad.tolist()[0] == pytest.approx([-0.64, -0.5])
+
+    # PPO-clip on the same tokens: the clipped token has no gradient at all.
+    logp.grad = None
+    loss, _ = policy_loss(logp, old, torch.tensor([1.0]), mask, token_weights(mask, "dapo", 2), loss_type="dapo", epsilon=0.2, epsilon_high=0.28)
+    loss.backward()
+    assert logp.grad.tolist()[0] == pytest.approx([0.0, -0.5])
+
+
+def test_cispo_lower_bound_only_when_epsilon_is_below_one():
+    # r = e^-0.5 = 0.6065, A = -1, one token: per-token -w * A * logp = w * logp, logp = -1 -> -w.
+    logp = torch.tensor([[-1.0]], requires_grad=True)
+    old = torch.tensor([[-0.5]])
+    mask = torch.ones(1, 1)
+    loss, stats = policy_loss(logp, old, torch.tensor([-1.0]), mask, mask, loss_type="cispo", epsilon=0.2)
+    assert float(loss.detach()) == pytest.approx(-0.8)  # weight raised to 1 - 0.2
+    assert float(stats["clip_ratio_low"]) == 1.0
+    loss.backward()
+    assert float(logp.grad) == pytest.approx(0.8)  # -w * A, kept although PPO-clip would drop it
+    loss, stats = policy_loss(logp.detach(), old, torch.tensor([-1.0]), mask, mask, loss_type="cispo", epsilon=1.0)
+    assert float(loss.detach()) == pytest.approx(-math.exp(-0.5))  # no lower bound: w = r
+    assert float(stats["clip_ratio_low"]) == 0.0
+
+
+def test_sapo_on_policy_by_hand_has_the_grpo_gradient():
+    # r = 1: gate sigmoid(0) * 4 / tau = 2 / tau. A = [2, -1], tau_pos = 1, tau_neg = 1.05.
+    # per-token -gate * A: -2 * 2 = -4 and -(2 / 1.05) * -1 = 1.90476; sapo weights 1/2 each.
+    logp = torch.tensor([[-1.0], [-2.0]], requires_grad=True)
+    mask = torch.ones(2, 1)
+    adv = torch.tensor([2.0, -1.0])
+    w = token_weights(mask, "sapo", 1)
+    loss, stats = policy_loss(logp, logp.detach(), adv, mask, w, loss_type="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05)
+    assert float(loss.detach()) == pytest.approx((-4.0 + 2 / 1.05) / 2)
+    assert float(stats["clip_ratio_low"]) == 0.0 and float(stats["clip_ratio_high"]) == 0.0
+    loss.backward()
+    # d gate / d logp = 4 s (1 - s) r = 1 at r = 1 whatever tau: the gradient is -A * weight, as grpo's
+    sapo_grad = logp.grad.clone()
+    assert sapo_grad[:, 0].tolist() == pytest.approx([-1.0, 0.5])
+    logp.grad = None
+    grpo_loss, _ = policy_loss(logp, logp.detach(), adv, mask, w, loss_type="grpo")
+    grpo_loss.backward()
+    torch.testing.assert_close(sapo_grad, logp.grad)
+
+
+def test_sapo_gate_is_smooth_past_the_clip_range():
+    def sig(x):
+        return 1 / (1 + math.exp(-x))
+
+    mask = torch.ones(1, 1)
+    for log_r, adv, tau in ((0.5, 1.0, 1.0), (2.0, 1.0, 1.0), (0.5, -1.0, 2.0)):
+        # r = e^log_r is outside [0.8, 1.28]: PPO-clip gives no gradient for A > 0 there.
+        r = math.exp(log_r)
+        logp = torch.tensor([[0.0]], requires_grad=True)
+        old = torch.tensor([[-log_r]])
+        loss, _ = policy_loss(logp, old, torch.tensor([adv]), mask, mask, loss_type="sapo", sapo_tau_pos=1.0, sapo_tau_neg=tau)
+        s = sig(tau * (r - 1))  # tau_pos = 1 for A > 0, tau_neg = tau for A < 0
+        assert float(loss.detach()) == pytest.approx(-s * 4 / tau * adv)
+        loss.backward()
+        # d/dlogp (-gate * A) = -A * 4 s (1 - s) r: e.g. -1.4867 at r = e^0.5, -0.0495 at r = e^2
+        assert float(logp.grad) == pytest.approx(-adv * 4 * s * (1 - s) * r, rel=1e-4)  # float32 1 - s
+        assert float(logp.grad) != 0.0
+    # e^0.5 by hand: s = sigmoid(0.64872) = 0.65672, 4 s (1 - s) r = 4 * 0.65672 * 0.34328 * 1.64872 = 1.4867
+    logp = torch.tensor([[0.0]], requires_grad=True)
+    policy_loss(logp, torch.tensor([[-0.5]]), torch.tensor([1.0]), mask, mask, loss_type="sapo")[0].backward()
+    assert float(logp.grad) == pytest.approx(-1.4867, abs=1e-4)
+
+
+def test_opmd_by_hand_ignores_the_old_policy():
+    # per-token -A * logp / (1 + tau), tau = 1; opmd weights: 1/3 per sampled token.
+    # seq 0 (A = 2): -2 * -1 / 2 = 1 and -2 * -2 / 2 = 2; seq 1 (A = -1): 1 * -0.5 / 2 = -0.25.
+    logp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, 0.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    adv = torch.tensor([2.0, -1.0])
+    w = token_weights(mask, "opmd", 3)
+    loss, stats = policy_loss(logp, logp.detach() - 0.7, adv, mask, w, loss_type="opmd", opmd_tau=1.0)
+    assert float(loss.detach()) == pytest.approx((1.0 + 2.0 - 0.25) / 3)
+    assert float(stats["ratio_mean"]) == pytest.approx(math.exp(0.7))  # logged, not used
+    loss.backward()
+    # d/dlogp = -A / (1 + tau) / 3
+    close(logp.grad, [[-1 / 3, -1 / 3, 0.0], [1 / 6, 0.0, 0.0]])
+    # the old log-probs do not enter (Trinity: "NOT USED"); tau = 0 is plain REINFORCE, twice the loss
+    same, _ = policy_loss(logp.detach(), logp.detach() + 3.0, adv, mask, w, loss_type="opmd", opmd_tau=1.0)
+    assert float(same) == pytest.approx(float(loss.detach()))
+    double, _ = policy_loss(logp.detach(), logp.detach(), adv, mask, w, loss_type="opmd", opmd_tau=0.0)
+    assert float(double) == pytest.approx(2 * float(loss.detach()))
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_micro_batches_accumulate_to_the_full_batch(loss_type):
     torch.manual_seed(0)
     logp = torch.randn(6, 5, requires_grad=True)

@@ -46,9 +46,10 @@ def test_doctests():
     import doctest
 
     import agl.evaluate
+    import agl.loss
     import agl.seeding
     import agl.stats
 
-    for module in (agl.stats, agl.seeding, agl.evaluate):
+    for module in (agl.stats, agl.seeding, agl.evaluate, agl.loss):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__
