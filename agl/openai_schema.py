@@ -107,17 +107,21 @@ class TextPart(_Lenient):
 
 
 IMAGE_PARTS = ("image_url", "input_image")
+OTHER_MEDIA_PARTS = {"input_file": "Files", "input_audio": "Audio"}
 
 
-def _text_parts_only(content: Any) -> Any:
-    """Name what a text model cannot read, rather than failing the union of content shapes."""
+def text_parts_only(content: Any, text_kinds: tuple[str, ...] = ("text",)) -> Any:
+    """Name what a text model cannot read, rather than failing the union of content shapes.
+    ``text_kinds``: the part types that hold text (chat: ``text``; Responses: ``input_text``, ...)."""
     if isinstance(content, list):
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in IMAGE_PARTS:
                 raise ValueError(f"Images are not supported: this model reads text only (content part of type '{kind}').")
-            if isinstance(kind, str) and kind != "text":
-                raise ValueError(f"Content parts of type '{kind}' are not supported: this model reads text only.")
+            if kind in OTHER_MEDIA_PARTS:
+                raise ValueError(f"{OTHER_MEDIA_PARTS[kind]} are not supported: this model reads text only (content part of type '{kind}').")
+            if isinstance(kind, str) and kind not in text_kinds:
+                raise ValueError(f"Content parts of type '{kind}' are not supported: this model reads text only ({', '.join(text_kinds)}).")
     return content
 
 
@@ -152,7 +156,7 @@ class Message(_Lenient):
     @field_validator("content", mode="before")
     @classmethod
     def _text_only(cls, value: Any) -> Any:
-        return _text_parts_only(value)
+        return text_parts_only(value)
 
     @field_validator("tool_call_id")
     @classmethod

@@ -1,8 +1,8 @@
 """The model route: an OpenAI-compatible HTTP server over the engine, inside the harness process.
 
-Agents talk to the policy through ``/v1/chat/completions`` and ``/v1/completions`` like any
-OpenAI endpoint. Under ``/rollout/{rollout_id}/attempt/{attempt_id}/v1`` the same calls are
-also *recorded*: each sampled choice becomes one span in the store with the exact prompt
+Agents talk to the policy through ``/v1/chat/completions``, ``/v1/completions`` and
+``/v1/responses`` like any OpenAI endpoint. Under ``/rollout/{rollout_id}/attempt/{attempt_id}/v1``
+the same calls are also *recorded*: each sampled choice becomes one span in the store with the exact prompt
 token ids, sampled token ids, their log-probs and the policy version that sampled them, which
 is what the trainer learns from. Unscoped ``/v1`` calls are served but not recorded.
 
@@ -40,6 +40,13 @@ Choices worth knowing:
     call's identity (``agl.seeding.call_seed``), so what it samples does not depend on
     scheduling; the span records the seed used and where it came from. Unscoped calls
     without a seed draw from the engine's shared generator.
+  - ``/v1/responses`` (OpenAI's Responses API, the Agents SDK's default) is a chat call in
+    disguise: ``agl.responses`` translates the request's items into chat messages, the chat
+    path renders, samples, parses tool calls and records (an ``llm.chat`` span whose
+    ``request.responses`` holds the response id, ``previous_response_id`` and ``metadata``),
+    and the reply goes back as output items, streamed as Responses events or not. Stored
+    responses (``store``, the default) stay in memory, the last ``max_stored_responses``, for
+    ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``, on the route that made them.
   - A client that disconnects cancels its sequences; nothing is recorded for it.
   - With ``api_key`` set, every route but ``GET /health`` needs ``Authorization: Bearer <key>``.
 """
@@ -48,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -62,7 +70,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agl import tool_prompt
+from agl import responses, tool_prompt
 from agl.chat import Delta, History, OutputAssembler, ToolCallParser, Turn, decode, render_prompt, template_messages
 from agl.engine import SamplingParams, SequenceStream
 from agl.openai_schema import (
@@ -77,6 +85,7 @@ from agl.openai_schema import (
     parse_request,
     unauthorized,
 )
+from agl.responses import OutputBuilder, ResponsesRequest, ResponseStore, StoredResponse
 from agl.seeding import CallCounter, call_seed
 from agl.store.rules import charged_attempt_number
 from agl.types import Span
@@ -124,6 +133,7 @@ class _Call:
     template: str | None = None  # chat: which template rendered the prompt (agl.tool_prompt.MODEL / BUILTIN)
     forced_ids: list[int] = dataclasses.field(default_factory=list)  # the prompt's last ids: a forced reply start
     forced_text: str = ""  # their text, where the parsed reply begins
+    api_request: dict | None = None  # a Responses call: its id, previous_response_id, metadata (recorded)
     id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(12))
     choices: list[_Choice] = dataclasses.field(default_factory=list)
 
@@ -161,6 +171,7 @@ class ModelServer:
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         seed: int = 0,
         model_names: Sequence[str] = (),
+        max_stored_responses: int = 1024,
     ):
         self.engine = engine
         self.policy = policy
@@ -173,6 +184,7 @@ class ModelServer:
         # what requests may name in `model`: the policy, and names registered for it (e.g. helper models)
         self.model_names = tuple(dict.fromkeys([policy.name, *model_names]))
         self.history = History()
+        self.responses = ResponseStore(max_stored_responses)  # for previous_response_id (Responses API)
         self.call_numbers = CallCounter()
         self.app = self._build_app()
         self._server: _EmbeddedUvicorn | None = None
@@ -226,6 +238,9 @@ class ModelServer:
         router.add_api_route("/models", self._models, methods=["GET"])
         router.add_api_route("/chat/completions", self._chat, methods=["POST"])
         router.add_api_route("/completions", self._completions, methods=["POST"])
+        router.add_api_route("/responses", self._responses, methods=["POST"])
+        router.add_api_route("/responses/{response_id}", self._get_response, methods=["GET"])
+        router.add_api_route("/responses/{response_id}", self._delete_response, methods=["DELETE"])
         app.include_router(router, prefix="/v1")
         app.include_router(router, prefix="/rollout/{rollout_id}/attempt/{attempt_id}/v1")
         app.add_api_route("/health", self._health, methods=["GET"])
@@ -281,6 +296,13 @@ class ModelServer:
         req = parse_request(ChatCompletionRequest, await request.body())
         self._check_model(req.model)
         scope, seed = await self._check_scope(request, req.seed)
+        call = await self._chat_call(req, scope, seed, received_at, received_wall)
+        return await self._generate(request, call)
+
+    async def _chat_call(
+        self, req: ChatCompletionRequest, scope: tuple[str, str] | None, seed: int | None, received_at: float, received_wall: float
+    ) -> _Call:
+        """A chat request rendered to prompt ids (tool prompt, exact prefixes, forced reply start)."""
         use_tools = bool(req.tools) and req.tool_choice != "none"
         tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if use_tools else None
         messages = template_messages(req.messages)
@@ -294,11 +316,10 @@ class ModelServer:
             raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from None
         forced_text = tool_prompt.forced_prefix(req.tool_choice_json) if use_tools else ""
         forced = self.policy.tokenizer.encode(forced_text, add_special_tokens=False) if forced_text else []
-        call = _Call(
+        return _Call(
             "chat", req, prompt.ids + forced, scope, tools, prompt.reused, seed, received_at, received_wall,
             template=template, forced_ids=forced, forced_text=decode(self.policy.tokenizer, forced),
         )
-        return await self._generate(request, call)
 
     async def _completions(self, request: Request) -> Response:
         received_at, received_wall = time.perf_counter(), time.time()
@@ -316,6 +337,50 @@ class ModelServer:
             raise bad_request("The prompt is empty.", param="prompt")
         call = _Call("completion", req, list(prompt_ids), scope, None, 0, seed, received_at, received_wall)
         return await self._generate(request, call)
+
+    async def _responses(self, request: Request) -> Response:
+        """``POST /v1/responses``: translated to a chat call, answered as a Responses object (``agl.responses``)."""
+        received_at, received_wall = time.perf_counter(), time.time()
+        req = parse_request(ResponsesRequest, await request.body())
+        self._check_model(req.model)
+        previous: list = []
+        if req.previous_response_id is not None:
+            stored = self.responses.get(req.previous_response_id, _scope_key(request))
+            if stored is None:
+                raise responses.not_stored(req.previous_response_id, "previous_response_id")
+            previous = stored.items + stored.output
+        items = previous + responses.parse_items(req.input)
+        chat_req = responses.to_chat_request(req, items, first_new=len(previous))
+        scope, seed = await self._check_scope(request, req.seed)
+        response_id = responses.new_id("resp")
+        try:
+            call = await self._chat_call(chat_req, scope, seed, received_at, received_wall)
+            call.api_request = {"api": "responses", "id": response_id, "previous_response_id": req.previous_response_id, "metadata": req.metadata, "store": req.store is not False}
+            self._submit(call)
+        except APIError as exc:
+            raise responses.for_responses(exc) from None
+        state = _ResponseState(response_id, req, items, int(received_wall))
+        builder = OutputBuilder((lambda delta: self._logprobs(call, delta)["content"]) if chat_req.logprobs else None)
+        if req.stream:
+            return StreamingResponse(self._responses_sse(call, state, builder), media_type="text/event-stream")
+        try:
+            await _unless_disconnected(request, self._run_response(call, builder))
+        except _ClientGone:
+            return Response(status_code=499)
+        finally:
+            call.choices[0].stream.cancel()
+        return JSONResponse(await self._finish_response(call, state, builder))
+
+    async def _get_response(self, request: Request, response_id: str) -> dict:
+        stored = self.responses.get(response_id, _scope_key(request))
+        if stored is None:
+            raise responses.not_stored(response_id, None)
+        return stored.body
+
+    async def _delete_response(self, request: Request, response_id: str) -> dict:
+        if not self.responses.delete(response_id, _scope_key(request)):
+            raise responses.not_stored(response_id, None)
+        return {"id": response_id, "object": "response", "deleted": True}
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
@@ -389,7 +454,8 @@ class ModelServer:
             ignore_eos=req.ignore_eos,
         )
 
-    async def _generate(self, request: Request, call: _Call) -> Response:
+    def _submit(self, call: _Call) -> None:
+        """Check the token budget, submit the call's sequences to the engine and set up its choices."""
         params = self._sampling_params(call)
         streams = self.engine.submit(call.prompt_ids, params, n=call.req.n)
         tokenizer, stops = self.policy.tokenizer, call.req.stop_strings
@@ -397,6 +463,9 @@ class ModelServer:
             _Choice(i, s, OutputAssembler(tokenizer, stops, s.stop_ids, top_logprobs=params.top_logprobs > 0), tools=ToolCallParser() if call.tools else None)
             for i, s in enumerate(streams)
         ]
+
+    async def _generate(self, request: Request, call: _Call) -> Response:
+        self._submit(call)
         if call.req.stream:
             return StreamingResponse(self._sse(call), media_type="text/event-stream")
         try:
@@ -432,6 +501,82 @@ class ModelServer:
             raise APIError(503, "The engine stopped before this request finished.", "server_error", code="engine_stopped")
         choice.finish_reason = "stop" if out.stop_matched else choice.stream.finish_reason
         choice.content = out.text
+
+    async def _run_response(self, call: _Call, builder: OutputBuilder, emit: Callable[[list[dict]], Awaitable[None]] | None = None) -> None:
+        """Run a Responses call's one choice, building its output items; ``emit`` gets the stream events."""
+        choice = call.choices[0]
+
+        def parsed(text: str) -> list[dict]:
+            if choice.tools is not None:
+                return choice.tools.feed(text)
+            return [{"content": text}] if text else []
+
+        async def on_delta(_: _Choice, delta: Delta) -> None:
+            events = builder.feed(parsed(delta.text), delta)
+            if emit is not None and events:
+                await emit(events)
+
+        if choice.tools is not None and call.forced_text:  # forced text: where the parsed reply begins
+            await on_delta(choice, Delta(call.forced_text, [], [], None))
+        await self._run_choice(call, choice, on_delta)
+        final = choice.out.release(final=True)
+        deltas = parsed(final.text) + (self._settle_tools(choice) if choice.tools is not None else [])
+        events = builder.feed(deltas, final) + builder.finish(incomplete=choice.finish_reason == "length")
+        if emit is not None:
+            await emit(events)
+
+    async def _finish_response(self, call: _Call, state: "_ResponseState", builder: OutputBuilder) -> dict:
+        """Record the call, build the final response object and keep it for ``previous_response_id``."""
+        await self._record(call)
+        completed = call.choices[0].finish_reason != "length"
+        body = responses.response_body(
+            state.id, state.req, self.policy.name, state.created_at, "completed" if completed else "incomplete", builder.items,
+            responses.usage(len(call.prompt_ids), call.completion_tokens), completed_at=int(time.time()) if completed else None,
+        )
+        if state.req.store is not False:
+            self.responses.put(state.id, StoredResponse(call.scope, state.items, responses.output_items(builder.items), body))
+        return body
+
+    async def _responses_sse(self, call: _Call, state: "_ResponseState", builder: OutputBuilder) -> AsyncIterator[str]:
+        """A Responses stream: created, in_progress, the output items' events, then completed (or incomplete)."""
+        numbers = itertools.count()
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        def event(body: dict) -> str:
+            body = {**body, "sequence_number": next(numbers)}
+            return f"event: {body['type']}\n{_sse_line(body)}"
+
+        async def run() -> None:
+            try:
+                await self._run_response(call, builder, queue.put)
+            except Exception as exc:
+                await queue.put(exc)
+            finally:
+                await queue.put(done)
+
+        task = None
+        try:
+            opening = responses.response_body(state.id, state.req, self.policy.name, state.created_at, "in_progress", [])
+            yield event({"type": "response.created", "response": opening})
+            yield event({"type": "response.in_progress", "response": opening})
+            task = asyncio.create_task(run())
+            while (item := await queue.get()) is not done:
+                if isinstance(item, Exception):
+                    raise item
+                for body in item:
+                    yield event(body)
+            final = await self._finish_response(call, state, builder)
+            yield event({"type": f"response.{final['status']}", "response": final})
+        except APIError as exc:
+            yield event({"type": "error", "code": exc.code or exc.type, "message": exc.message, "param": exc.param})
+        except Exception as exc:
+            log.exception("unexpected error while streaming a response")
+            yield event({"type": "error", "code": "server_error", "message": f"Internal server error: {type(exc).__name__}: {exc}", "param": None})
+        finally:
+            if task is not None:
+                task.cancel()
+            call.choices[0].stream.cancel()
 
     @staticmethod
     def _settle_tools(choice: _Choice) -> list[dict]:
@@ -617,6 +762,8 @@ class ModelServer:
         }
         if call.kind == "chat":
             request = {"messages": [m.model_dump(exclude_none=True) for m in req.messages], "tools": call.tools, "tool_choice": req.tool_choice_json, "sampling": sampling}
+            if call.api_request is not None:
+                request["responses"] = call.api_request
         else:
             request = {"prompt": req.prompt, "sampling": sampling}
         trace_id = secrets.token_hex(16)
@@ -654,6 +801,22 @@ class ModelServer:
             await self.store.add_span(span)
             if call.kind == "chat":
                 self.history.add(call.scope, Turn(call.prompt_ids, out.token_ids, prompt_text, call.forced_text + out.text))
+
+
+@dataclasses.dataclass
+class _ResponseState:
+    """What a Responses call's response object needs besides the chat call."""
+
+    id: str
+    req: ResponsesRequest
+    items: list  # the whole conversation's input items (previous response's included)
+    created_at: int
+
+
+def _scope_key(request: Request) -> tuple[str, str] | None:
+    """(rollout_id, attempt_id) of a rollout route, unchecked; None on /v1."""
+    rollout_id = request.path_params.get("rollout_id")
+    return None if rollout_id is None else (rollout_id, request.path_params["attempt_id"])
 
 
 def _turn_of(tokenizer: Any, span: Span) -> Turn:
