@@ -17,10 +17,14 @@ import contextvars
 import dataclasses
 import functools
 import inspect
+import logging
+import threading
 import time
 from typing import Any, Awaitable, Callable
 
 from agl.types import Span
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,10 +78,66 @@ def _write(make: Callable[[RolloutContext], Awaitable[Span]], caller: str) -> No
         running = asyncio.get_running_loop()
     except RuntimeError:
         running = None
-    if running is context.loop:  # async agent: the runner awaits this before finishing
+    if running is context.loop:  # on the harness's loop (a hook): the runner awaits it before finishing
         context.pending.append(asyncio.ensure_future(make(context)))
-    else:  # sync agent in a worker thread: write through the loop and wait for it
+    else:  # an agent in its worker thread (sync, or async on its own loop): write through the harness's loop
         asyncio.run_coroutine_threadsafe(make(context), context.loop).result()
+
+
+class _OwnLoop:
+    """An async agent's own event loop, in its worker thread; ``cancel()`` from any thread."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._task: asyncio.Task | None = None
+        self._cancelled = False
+
+    def run(self, coroutine: Awaitable[Any]) -> Any:
+        async def main() -> Any:
+            with self._lock:
+                self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
+                if self._cancelled:
+                    self._task.cancel()
+            return await _watched(coroutine, self.name)
+
+        return asyncio.run(main())
+
+    def cancel(self) -> None:
+        with self._lock:
+            self._cancelled = True
+            if self._loop is not None and self._task is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._task.cancel)
+
+
+async def _watched(coroutine: Awaitable[Any], name: str, period: float = 0.25) -> Any:
+    """Await ``coroutine`` while a ticker on the same loop notices when something blocks it
+    (also at the end: an agent that never awaits gives the ticker no chance to run)."""
+    last_tick = time.monotonic()
+
+    def check() -> None:
+        nonlocal last_tick
+        now = time.monotonic()
+        stalled, last_tick = now - last_tick - period, now
+        if stalled >= BLOCKED_WARNING_S:
+            log.warning(
+                "agent %s blocked its event loop for %.1f s: a blocking call inside an async agent "
+                "(a sync client, time.sleep, ...). It slows only this agent; use an async client or asyncio.to_thread.",
+                name, stalled,
+            )
+
+    async def tick() -> None:
+        while True:
+            await asyncio.sleep(period)
+            check()
+
+    ticker = asyncio.ensure_future(tick())
+    try:
+        return await coroutine
+    finally:
+        ticker.cancel()
+        check()
 
 
 def rollout(function: Callable) -> Callable:
@@ -86,16 +146,34 @@ def rollout(function: Callable) -> Callable:
     return function
 
 
+BLOCKED_WARNING_S = 1.0  # an async agent's loop stalled this long: say which agent, and why it matters
+
+
 async def call_agent(agent: Callable, context: RolloutContext, task: Any, llm: LLM, resources: dict, executor: Any = None) -> Any:
-    """Run a sync agent in a worker thread or await an async one, with ``context`` current."""
+    """Run the agent in a worker thread, with ``context`` current: a sync agent as it is, an async
+    one on an event loop of its own in that thread.
+
+    Why not await an async agent on the harness's loop: that loop also runs the route and the
+    engine, and agents often make one blocking call (a sync ``openai`` client, ``litellm.completion``,
+    LangChain's ``.invoke``, ``time.sleep``). On the shared loop that call froze the route, so the
+    agent's own request could never be answered and every call timed out. On its own loop it
+    slows only that agent, and a warning names it.
+    """
     token = _current.set(context)
+    own_loop = None
     try:
         if inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None)):
-            result = await agent(task, llm, **resources)
+            own_loop = _OwnLoop(f"{getattr(agent, '__qualname__', agent)} (rollout {context.rollout_id})")
+            target = functools.partial(own_loop.run, agent(task, llm, **resources))
         else:
-            # copy_context carries the current rollout into the thread for emit_reward
-            run = functools.partial(contextvars.copy_context().run, agent, task, llm, **resources)
-            result = await asyncio.get_running_loop().run_in_executor(executor, run)
+            target = functools.partial(agent, task, llm, **resources)
+        # copy_context carries the current rollout into the thread for emit_reward
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(executor, contextvars.copy_context().run, target)
+        except asyncio.CancelledError:  # timed out or shutting down: an async agent can be stopped, a thread cannot
+            if own_loop is not None:
+                own_loop.cancel()
+            raise
         if context.pending:
             await asyncio.gather(*context.pending)
         return result

@@ -3,6 +3,8 @@
 The tiny model's text is noise, so these rewards measure something noise varies in (how
 many vowels a reply has), which gives every GRPO group a spread of rewards to learn from.
 """
+import time
+
 import openai
 
 import agl
@@ -24,6 +26,16 @@ def multi_turn_agent(task: dict, llm: agl.LLM, prompt_template: str, max_turns: 
     agl.emit_metric("turns", float(len(replies)))
     agl.emit_metric("said_a", float("a" in "".join(replies).lower()))  # a 0/1 score: gets intervals and a paired test
     return vowel_rate("".join(replies))
+
+
+async def blocking_async_agent(task: dict, llm: agl.LLM, prompt_template: str, **_: object) -> float:
+    """Two mistakes people make in async agents: a sync client and time.sleep. Each blocks the loop."""
+    time.sleep(1.2)
+    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, timeout=10, max_retries=0)
+    reply = client.chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": prompt_template.format(question=task["question"])}], **llm.sampling_parameters
+    )
+    return vowel_rate(reply.choices[0].message.content or "")
 
 
 def load(split: str) -> list[dict]:

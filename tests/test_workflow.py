@@ -216,3 +216,17 @@ def test_readme_custom_task_runs_through_task_custom(tmp_path):
     assert [line["step"] for line in lines] == [-1, 0] and lines[-1]["rollouts"] == 4 and lines[-1]["rollouts_failed"] == 0
     assert "eval/short" in lines[-1]  # the agent's emit_metric reached the eval table
     assert json.loads((run_dir / "status.json").read_text())["status"] == "succeeded"
+
+
+async def test_an_async_agent_that_blocks_slows_only_itself(tmp_path, caplog):
+    """A sync openai client inside an async agent used to freeze the route (same event loop):
+    the agent's own request could not be answered and timed out. Now it runs, with a warning."""
+    cfg = compose_cfg(TINY + ["task=hello", "task.agent=e2e_agents:blocking_async_agent", "task.data=e2e_agents:load", "runner.n=4"])
+    async with Runtime(cfg, tmp_path) as rt:
+        rows = rt.task.load("test")[:4]
+        resources_id = await rt.resources_id(rt.task.resources_for(cfg.task.prompt))
+        rollouts = await rt.run_rollouts(rows, [{"task_id": r["id"]} for r in rows], mode="val", resources_id=resources_id)
+        assert [r.status for r in rollouts] == ["succeeded"] * 4
+        for rollout in rollouts:
+            assert [s.name for s in await rt.store.query_spans(rollout.rollout_id, "latest")] == ["llm.chat", "reward"]
+    assert caplog.text.count("blocked its event loop") >= 4 and "blocking_async_agent" in caplog.text
