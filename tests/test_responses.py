@@ -17,7 +17,7 @@ from agl.adapter import spans_to_samples
 from agl.chat import ToolCallParser, decode
 from agl.openai_schema import APIError, parse_request
 from agl.responses import OutputBuilder, ResponsesRequest, ResponseStore, StoredResponse, parse_items, to_chat_request
-from test_server import EOS, MODEL, TIMEOUT, Served, forced_tokens, reply_ids
+from test_server import EOS, MODEL, TIMEOUT, forced_tokens, reply_ids, served  # noqa: F401  (served: the route fixture)
 
 ADD = {
     "type": "function",
@@ -235,13 +235,6 @@ def test_stored_responses_are_bounded_and_kept_per_route():
 
 
 # ----------------------------------------------------------------------------- the route
-
-
-@pytest.fixture(scope="module")
-def served(tiny_model_cfg, tmp_path_factory):
-    served = Served(tiny_model_cfg, tmp_path_factory.mktemp("responses") / "store.sqlite")
-    yield served
-    served.close()
 
 
 @contextlib.contextmanager
