@@ -2,13 +2,11 @@
 items and stream events (pure), and the real route with the real ``openai`` client (and the
 OpenAI Agents SDK's default model, when installed) on the tiny policy."""
 import asyncio
-import contextlib
 import json
 
 import httpx
 import openai
 import pytest
-import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -235,31 +233,6 @@ def test_stored_responses_are_bounded_and_kept_per_route():
 
 
 # ----------------------------------------------------------------------------- the route
-
-
-@contextlib.contextmanager
-def scripted(served, scripts):
-    """Like ``forced_tokens``, for several calls in turn: call i writes ``scripts[i]``, then eos."""
-    assert served.idle()
-    head = served.policy.model.get_output_embeddings()
-    state = {"call": 0, "token": 0}
-
-    def hook(module, args, output):
-        script = scripts[state["call"]] if state["call"] < len(scripts) else []
-        forced = torch.full_like(output, -1e4)
-        if state["token"] < len(script):
-            forced[..., script[state["token"]]] = 0.0
-            state["token"] += 1
-        else:
-            forced[..., EOS] = 0.0
-            state["call"], state["token"] = state["call"] + 1, 0
-        return forced
-
-    handle = head.register_forward_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def test_text_response_is_recorded_as_a_chat_span(served):
@@ -551,7 +524,7 @@ def test_an_agents_sdk_agent_with_its_default_responses_model(served):
 
     for streamed, kwargs in ((False, {}), (True, {}), (False, {"auto_previous_response_id": True})):
         rid, aid = served.new_attempt()
-        with scripted(served, script):
+        with forced_tokens(served, *script):
             result = asyncio.run(run(rid, aid, streamed, **kwargs))
         assert result.final_output == "It is 3." and added[-1] == (1, 2)
         first, second = spans = served.spans(rid, aid)

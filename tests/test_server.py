@@ -92,20 +92,26 @@ def served(tiny_model_cfg, tmp_path_factory):
 
 
 @contextlib.contextmanager
-def forced_tokens(served, script):
-    """Make the model emit ``script`` (then eos), one token per forward pass, whatever the input.
+def forced_tokens(served, *scripts):
+    """Make the model emit ``scripts[0]`` (then eos), one token per forward pass, whatever the
+    input; with several scripts, call i writes ``scripts[i]``, then eos.
 
     A forward hook on the output layer replaces the logits; meant for one request in flight,
     so it first waits for the engine to finish steps of earlier (e.g. cancelled) sequences.
     """
     assert served.idle()
     head = served.policy.model.get_output_embeddings()
-    calls = iter(range(1 << 30))
+    state = {"call": 0, "token": 0}
 
     def hook(module, args, output):
-        k = next(calls)
+        script = scripts[state["call"]] if state["call"] < len(scripts) else []
         forced = torch.full_like(output, -1e4)
-        forced[..., script[k] if k < len(script) else EOS] = 0.0
+        if state["token"] < len(script):
+            forced[..., script[state["token"]]] = 0.0
+            state["token"] += 1
+        else:
+            forced[..., EOS] = 0.0
+            state["call"], state["token"] = state["call"] + 1, 0
         return forced
 
     handle = head.register_forward_hook(hook)
