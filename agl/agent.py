@@ -13,6 +13,7 @@ the rollout (the last one counts when nothing is returned). An exception fails t
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import dataclasses
 import functools
@@ -94,21 +95,23 @@ class _OwnLoop:
         self._task: asyncio.Task | None = None
         self._cancelled = False
 
-    def run(self, coroutine: Awaitable[Any]) -> Any:
+    def run(self, start: Callable[[], Awaitable[Any]]) -> Any:
+        """Run ``start()``'s coroutine to the end on a new loop (made here: never left un-awaited)."""
         async def main() -> Any:
             with self._lock:
                 self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
                 if self._cancelled:
                     self._task.cancel()
-            return await _watched(coroutine, self.name)
+            return await _watched(start(), self.name)
 
         return asyncio.run(main())
 
     def cancel(self) -> None:
         with self._lock:
             self._cancelled = True
-            if self._loop is not None and self._task is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._task.cancel)
+            if self._loop is not None and self._task is not None:
+                with contextlib.suppress(RuntimeError):  # its loop closed meanwhile: nothing left to cancel
+                    self._loop.call_soon_threadsafe(self._task.cancel)
 
 
 async def _watched(coroutine: Awaitable[Any], name: str, period: float = 0.25) -> Any:
@@ -157,14 +160,16 @@ async def call_agent(agent: Callable, context: RolloutContext, task: Any, llm: L
     engine, and agents often make one blocking call (a sync ``openai`` client, ``litellm.completion``,
     LangChain's ``.invoke``, ``time.sleep``). On the shared loop that call froze the route, so the
     agent's own request could never be answered and every call timed out. On its own loop it
-    slows only that agent, and a warning names it.
+    slows only that agent, and a warning names it. One consequence: each attempt of an async agent
+    runs on a new loop, so an async client cached across rollouts (a module-level ``AsyncOpenAI``)
+    is bound to a closed loop; create clients inside the agent, as the examples do.
     """
     token = _current.set(context)
     own_loop = None
     try:
         if inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None)):
             own_loop = _OwnLoop(f"{getattr(agent, '__qualname__', agent)} (rollout {context.rollout_id})")
-            target = functools.partial(own_loop.run, agent(task, llm, **resources))
+            target = functools.partial(own_loop.run, functools.partial(agent, task, llm, **resources))
         else:
             target = functools.partial(agent, task, llm, **resources)
         # copy_context carries the current rollout into the thread for emit_reward

@@ -150,8 +150,8 @@ def run_job(cfg: DictConfig) -> object:
         run_dir, "running", algo=name, task=cfg.task.name, pid=os.getpid(), host=os.uname().nodename, started=started,
         ended=None, duration_s=None, error=None, config_hash=digest, **({"overrides": overrides} if overrides and not cfg.get("resume") else {}),
     )
-    seed_everything(cfg.seed)  # before the model is built: the LoRA's initial weights repeat
     try:
+        seed_everything(cfg.seed)  # before the model is built: the LoRA's initial weights repeat
         result = JOBS[name](cfg, run_dir)
     except (Exception, SystemExit) as error:
         trace = traceback.format_exc()

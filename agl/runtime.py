@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from agl.engine import Engine
+from agl.errors import ConfigError
 from agl.model import Policy, load_policy
 from agl.runner import RunnerPool
 from agl.server import ModelServer
@@ -139,7 +140,9 @@ def batch_invariant(setting: bool | str, compute_dtype: str) -> bool:
     back to float32 on a CPU without native bf16: that fallback should not also lose batching."""
     if setting == "auto":
         return compute_dtype == "float32"
-    return bool(setting)
+    if not isinstance(setting, bool):
+        raise ConfigError(f"engine.batch_invariant must be auto, true or false, not {setting!r}")
+    return setting
 
 
 def succeeded(rollouts: Sequence[Rollout]) -> list[Rollout]:

@@ -49,8 +49,10 @@ def call_seed(run_seed: int, rollout_id: str, attempt: int, call: int) -> int:
 class CallCounter:
     """Numbers each attempt's calls in arrival order: 0, 1, 2, ...
 
-    Arrival order is the agent's own order for calls it makes one after another; calls an
-    agent sends concurrently are numbered as they reach the route. Bounded: the attempts
+    Arrival order is the agent's own order for calls it makes one after another. Two cases are
+    not reproducible: calls an agent sends concurrently are numbered as the route gets to them,
+    and a request the client re-sends (the openai client retries timeouts) takes a number too,
+    shifting the calls after it. Bounded: the attempts
     idle longest are forgotten first, long after they can have finished.
     """
 
