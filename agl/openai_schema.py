@@ -116,11 +116,13 @@ def text_parts_only(content: Any, text_kinds: tuple[str, ...] = ("text",)) -> An
     if isinstance(content, list):
         for part in content:
             kind = part.get("type") if isinstance(part, dict) else None
+            if not isinstance(kind, str):  # no type, or junk: the part's own schema says what is wrong
+                continue
             if kind in IMAGE_PARTS:
                 raise ValueError(f"Images are not supported: this model reads text only (content part of type '{kind}').")
             if kind in OTHER_MEDIA_PARTS:
                 raise ValueError(f"{OTHER_MEDIA_PARTS[kind]} are not supported: this model reads text only (content part of type '{kind}').")
-            if isinstance(kind, str) and kind not in text_kinds:
+            if kind not in text_kinds:
                 raise ValueError(f"Content parts of type '{kind}' are not supported: this model reads text only ({', '.join(text_kinds)}).")
     return content
 

@@ -340,3 +340,12 @@ def test_the_longest_matching_turn_wins_and_history_is_bounded(policy, tokenizer
     history.add("a", Turn([1], [2], "x"))
     history.add("b", Turn([1], [2], "x"))
     assert "k" not in history and history.get("k") is None
+
+
+@pytest.mark.parametrize("junk", [[], {}, 3, None])
+def test_a_content_part_with_a_junk_type_is_a_400(junk):
+    """Found by the route fuzz test: a part whose type was a list made the text-part check raise TypeError (a 500)."""
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, {"type": junk, "text": ""}]}]}
+    with pytest.raises(APIError) as err:
+        parse_request(ChatCompletionRequest, json.dumps(body).encode())
+    assert err.value.status == 400
