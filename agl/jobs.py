@@ -85,7 +85,13 @@ def sft(cfg: DictConfig, run_dir: Path) -> dict:
     return result
 
 
-JOBS = {"info": info, "grpo": grpo, "eval": eval_job, "prompt_search": prompt_search, "sft": sft}
+def custom(cfg: DictConfig, run_dir: Path) -> object:
+    from agl.custom_algo import run_custom
+
+    return asyncio.run(run_custom(cfg, run_dir))
+
+
+JOBS = {"info": info, "grpo": grpo, "eval": eval_job, "prompt_search": prompt_search, "sft": sft, "custom": custom}
 
 
 def resumed_config(cfg: DictConfig) -> DictConfig:
@@ -111,7 +117,7 @@ def in_multirun() -> bool:
 
 def config_hash(cfg: DictConfig) -> str:
     plain = OmegaConf.to_container(cfg, resolve=True)
-    for key in ("resume", "report", "progress", "device"):
+    for key in ("resume", "report", "progress", "device", "run_dir"):  # run_dir: agl.run's, where Hydra's is not in cfg
         plain.pop(key, None)
     return hashlib.sha1(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:12]
 

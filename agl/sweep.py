@@ -169,8 +169,9 @@ def job_record(job_dir: Path) -> dict:
                 metrics[f"{key} vs base"] = change
         best_eval, best_step = _best(rows, "eval/reward")
         metrics["best eval/reward"], metrics["best step"] = best_eval, best_step
-    result = status.get("result") or {}
-    for key, value in (result.get("metrics") or {}).items():  # eval / prompt_search results
+    result = status.get("result")
+    result = result if isinstance(result, dict) else {}  # algo=custom may return anything
+    for key, value in (result.get("metrics") or {}).items():  # eval / prompt_search / custom results
         if key.startswith("eval/") and key not in IGNORED_EVAL:
             metrics.setdefault(f"final {key}", value)
         elif not key.startswith("eval/"):
