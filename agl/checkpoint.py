@@ -12,7 +12,7 @@ import json
 import pickle
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -68,24 +68,32 @@ def torch_bytes(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-async def save_checkpoint(rt: Any, step: int, cursor: TaskCursor, optimizer: torch.optim.Optimizer, metrics: dict) -> None:
-    """Everything to resume after ``step``, in one store transaction."""
+async def save_checkpoint(rt: Any, step: int, state: dict, optimizer: torch.optim.Optimizer, metrics: dict) -> None:
+    """Everything to resume after ``step``, in one store transaction.
+
+    ``state`` is the trainer's own (JSON: cursors, stage); ``optimizer`` is the one that took this step.
+    """
     rng = {"python": random.getstate(), "torch": torch.get_rng_state(), "engine": rt.engine.generator.get_state()}
     await rt.store.save_checkpoint(
         step,
         rt.policy.version,
-        state={"cursor": cursor.state()},
+        state=state,
         blobs={"adapter": adapter_bytes(rt.policy), "optimizer": torch_bytes(optimizer.state_dict()), "rng": pickle.dumps(rng)},
         metrics=metrics,
     )
 
 
-async def restore_checkpoint(rt: Any, cfg: DictConfig, optimizer: torch.optim.Optimizer) -> Checkpoint | None:
+async def restore_checkpoint(
+    rt: Any, cfg: DictConfig, optimizer: torch.optim.Optimizer | Callable[[dict], torch.optim.Optimizer]
+) -> Checkpoint | None:
     """Load the last checkpoint into the policy, optimizer and RNGs; None for a fresh run.
+
+    ``optimizer`` may be a function of the checkpoint's state, for a trainer with stages that
+    each have their own optimizer (GRPO after an SFT warm-up).
 
     A fresh run records its config instead (and starts an empty metrics file: a process killed
     before the first checkpoint may have written a baseline line that is about to be redone);
-    a resumed one gets its metrics file rewritten from the store. The caller rebuilds its cursor from ``checkpoint.state["cursor"]``.
+    a resumed one gets its metrics file rewritten from the store. The caller rebuilds its cursors from ``checkpoint.state``.
     """
     store = rt.store
     checkpoint = await store.load_checkpoint()
@@ -94,6 +102,8 @@ async def restore_checkpoint(rt: Any, cfg: DictConfig, optimizer: torch.optim.Op
         metrics_path(rt.run_dir).write_text("")
         return None
     load_adapter_bytes(rt.policy, checkpoint.blobs["adapter"])
+    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+        optimizer = optimizer(checkpoint.state)
     optimizer.load_state_dict(torch.load(io.BytesIO(checkpoint.blobs["optimizer"]), weights_only=False))
     rng = pickle.loads(checkpoint.blobs["rng"])
     random.setstate(rng["python"])

@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 PANELS = [
     ("reward", ["reward_mean"]),
     ("eval", ["eval/reward", "eval/correct", "eval/format", "eval/says_identity"]),
-    ("loss", ["loss"]),
+    ("loss", ["loss", "sft_loss"]),  # sft_loss: a GRPO job's SFT warm-up steps
     ("kl_entropy", ["kl", "entropy"]),
     ("length", ["completion_len_mean"]),
     ("clip", ["clip_ratio_low", "clip_ratio_high"]),

@@ -13,6 +13,7 @@ counted apart from retries, and listed apart from the agent's errors.
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -138,23 +139,32 @@ def _run_section(run_dir: Path, data: dict, rows: list[dict]) -> str:
     start, end = data["time_span"]
     items = [
         ("status", effective_status(status) + (f" ({status['error']})" if status and status.get("error") else "") if status else "(no status.json)"),
-        ("algo", algo.get("name")),
+        ("algo", algo.get("name") + (f" ({algo['fn']})" if algo.get("fn") else "") if algo else None),
         ("task", f"{task.get('name')} (prompt {task.get('prompt')})" if task else None),
         ("model", f"{model.get('name')}" + (f", adapter {model['adapter']}" if model.get("adapter") else "")),
-        ("steps", f"{checkpoints[-1][0] + 1} of {algo.get('steps')} done, policy version {checkpoints[-1][1]}" if checkpoints
-         else None if algo.get("name") in ("eval", "prompt_search") else "no checkpoint yet"),
+        ("steps", f"{checkpoints[-1][0] + 1} of {_planned_steps(algo)} done, policy version {checkpoints[-1][1]}" if checkpoints
+         else None if algo.get("name") in ("eval", "prompt_search", "custom") else "no checkpoint yet"),
         ("rollouts", ", ".join(f"{n} {s}" for s, n in data["rollouts_by_status"]) or "none"),
         ("by mode", ", ".join(f"{n} {m}" for m, n in data["rollouts_by_mode"]) or "none"),
         ("attempts", "{} ({} retries after agent failures, {} interrupted by the harness dying or closing)".format(*data["attempts"])),
         ("llm calls", f"{calls} calls, {tokens} tokens" + (f", {latency:.3f} s mean latency" if latency else "")),
         ("wall time", f"{end - start:.1f} s of rollouts" if start and end else None),
     ]
-    result = (status or {}).get("result") or {}
-    if "summary" in result:
-        items.append(("eval", ", ".join(f"{k} {fmt(v)}" for k, v in result["summary"].items())))
-    if "best" in result:
-        items.append(("best prompt", f"{result['best']} ({fmt(result['ranking'][0]['mean'])})"))
+    result = (status or {}).get("result")
+    if algo.get("name") == "custom":  # the user's function returned it: show it as it is, on one line
+        items.append(("result", _first_line(json.dumps(result), limit=300)))
+    elif isinstance(result, dict):
+        if "summary" in result:
+            items.append(("eval", ", ".join(f"{k} {fmt(v)}" for k, v in result["summary"].items())))
+        if "best" in result:
+            items.append(("best prompt", f"{result['best']} ({fmt(result['ranking'][0]['mean'])})"))
     return markdown_table(["", ""], [(k, v) for k, v in items if v is not None])
+
+
+def _planned_steps(algo: dict) -> str:
+    """A GRPO job's steps, with its SFT warm-up's in front (epochs-based warm-ups are not counted ahead)."""
+    warmup = (algo.get("warmup") or {}).get("steps") or 0
+    return f"{warmup + algo.get('steps')} ({warmup} SFT warm-up + {algo.get('steps')} GRPO)" if warmup else str(algo.get("steps"))
 
 
 def _metric_key(rows: list[dict]) -> str | None:
@@ -178,7 +188,7 @@ def _best_section(rows: list[dict]) -> str:
 def _by_step_section(rows: list[dict], step_summary: list[tuple]) -> str:
     if not rows:
         return "(no metrics)"
-    keys = [k for k in ("reward_mean", "rollouts_failed", "loss", "eval/reward") if any(k in r for r in rows)]
+    keys = [k for k in ("reward_mean", "rollouts_failed", "loss", "sft_loss", "eval/reward") if any(k in r for r in rows)]
     keys += sorted({k for r in rows for k in r if k.startswith(("eval/", "eval_all/")) and any(h in k for h in ACCURACY_HINTS) and not is_derived(r, k)})
     failed = {s: f for s, _, _, f, _, _ in step_summary}
     table = [[r["step"], *[with_interval(r, k) for k in keys]] for r in rows]
@@ -221,8 +231,6 @@ def _samples_section(replies: list[tuple], count: int = SAMPLES) -> str | None:
 
 
 def _question(task_input: str | None) -> str:
-    import json
-
     row = json.loads(task_input) if task_input else {}
     text = row.get("question") if isinstance(row, dict) else None
     return _quote(text if isinstance(text, str) else json.dumps(row)[:500])

@@ -91,36 +91,79 @@ def sft_loss_and_backward(policy: Any, examples: Sequence[tuple[list[int], list[
     return {"loss": loss_sum, "train_tokens": total_tokens}
 
 
-class SFTTrainer:
-    def __init__(self, rt: Runtime, cfg: DictConfig):
-        self.rt, self.cfg, self.algo = rt, cfg, cfg.algo
-        self.run_dir = rt.run_dir
+class SFTStage:
+    """SFT steps over a task's demonstrations: their seeded cursor, their optimizer, one step at a time.
+
+    ``algo=sft`` runs only this stage; ``algo=grpo`` runs it first as a warm-up (``algo.warmup``).
+    ``sft_cfg`` holds split, steps, epochs, batch_size, micro_batch_size, lr, weight_decay,
+    max_grad_norm and max_length (conf/algo/sft.yaml, or grpo.yaml's ``warmup``).
+    """
+
+    def __init__(self, rt: Runtime, cfg: DictConfig, sft_cfg: DictConfig):
+        self.rt, self.sft_cfg = rt, sft_cfg
         if rt.task.demonstrations is None:
-            raise ConfigError(f"task '{cfg.task.name}' has no demonstrations (task.demonstrations) for algo=sft")
+            raise ConfigError(f"task '{cfg.task.name}' has no demonstrations (task.demonstrations) for SFT")
         template = rt.task.resources_for(cfg.task.prompt)["prompt_template"]
-        self.demos = rt.task.demonstrations(self.algo.split, prompt_template=template, **rt.task.resources)
+        self.demos = rt.task.demonstrations(sft_cfg.split, prompt_template=template, **rt.task.resources)
         if not self.demos:
-            raise ConfigError(f"task '{cfg.task.name}' has no demonstrations for split '{self.algo.split}'")
-        self.steps = self.algo.steps
-        if self.algo.get("epochs"):
-            self.steps = math.ceil(self.algo.epochs * len(self.demos) / self.algo.batch_size)
-        eval_rows = rt.task.load(cfg.task.eval_split) if self.algo.get("eval", True) else []
-        self.eval_rows = eval_rows[: cfg.task.eval_size] if cfg.task.eval_size else eval_rows
+            raise ConfigError(f"task '{cfg.task.name}' has no demonstrations for split '{sft_cfg.split}'")
+        self.steps = sft_cfg.steps
+        if sft_cfg.get("epochs"):
+            self.steps = math.ceil(sft_cfg.epochs * len(self.demos) / sft_cfg.batch_size)
+        self.seed = cfg.seed
         self.cursor = TaskCursor(len(self.demos), cfg.seed)
-        self.optimizer = torch.optim.AdamW(rt.policy.trainable_parameters(), lr=self.algo.lr, weight_decay=self.algo.weight_decay)
-        self.step = 0
+        self.optimizer = torch.optim.AdamW(rt.policy.trainable_parameters(), lr=sft_cfg.lr, weight_decay=sft_cfg.weight_decay)
         self._rendered: dict[int, tuple[list[int], list[int]]] = {}
 
     def example(self, index: int) -> tuple[list[int], list[int]]:
         if index not in self._rendered:  # rendered on first use: a big split costs nothing up front
-            self._rendered[index] = render_demonstration(self.rt.policy, self.demos[index], self.algo.max_length)
+            self._rendered[index] = render_demonstration(self.rt.policy, self.demos[index], self.sft_cfg.max_length)
         return self._rendered[index]
 
+    def restore_cursor(self, state: dict) -> None:
+        self.cursor = TaskCursor(len(self.demos), self.seed, **state)
+
+    async def train_step(self, step: int) -> dict:
+        rt, sft_cfg = self.rt, self.sft_cfg
+        started = time.perf_counter()
+        examples = [self.example(i) for i in self.cursor.take(sft_cfg.batch_size)]
+
+        def update() -> dict:
+            rt.policy.model.train()
+            self.optimizer.zero_grad(set_to_none=True)
+            stats = sft_loss_and_backward(rt.policy, examples, sft_cfg.micro_batch_size)
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(rt.policy.trainable_parameters(), sft_cfg.max_grad_norm))
+            self.optimizer.step()
+            rt.policy.model.eval()
+            return {**stats, "grad_norm": grad_norm}
+
+        async with rt.engine.paused():  # no forward pass may run while weights change
+            stats = await asyncio.to_thread(update)
+            rt.policy.version += 1
+        return {
+            "step": step, "policy_version": rt.policy.version, **stats, "lr": float(sft_cfg.lr),
+            "examples": len(examples), "seq_len_mean": sum(len(ids) for ids, _ in examples) / len(examples),
+            "time_update_s": time.perf_counter() - started,
+        }
+
+
+class SFTTrainer:
+    """``algo=sft``: the SFT stage alone, with evals, checkpoints and the final adapter."""
+
+    def __init__(self, rt: Runtime, cfg: DictConfig):
+        self.rt, self.cfg, self.algo = rt, cfg, cfg.algo
+        self.run_dir = rt.run_dir
+        self.stage = SFTStage(rt, cfg, cfg.algo)
+        self.steps = self.stage.steps
+        eval_rows = rt.task.load(cfg.task.eval_split) if self.algo.get("eval", True) else []
+        self.eval_rows = eval_rows[: cfg.task.eval_size] if cfg.task.eval_size else eval_rows
+        self.step = 0
+
     async def restore(self) -> bool:
-        checkpoint = await restore_checkpoint(self.rt, self.cfg, self.optimizer)
+        checkpoint = await restore_checkpoint(self.rt, self.cfg, self.stage.optimizer)
         if checkpoint is None:
             return False
-        self.cursor = TaskCursor(len(self.demos), self.cfg.seed, **checkpoint.state["cursor"])
+        self.stage.restore_cursor(checkpoint.state["cursor"])
         self.step = checkpoint.step + 1
         return True
 
@@ -130,12 +173,12 @@ class SFTTrainer:
             await eval_during_training(self.rt, self.cfg, self.eval_rows, 0)
         with tqdm(total=self.steps, initial=self.step, desc="sft", dynamic_ncols=True, disable=not self.cfg.progress) as bar:
             while self.step < self.steps:
-                metrics = await self.train_step()
+                metrics = await self.stage.train_step(self.step)
                 done = self.step + 1
                 every = self.algo.eval_every
                 if done == self.steps or (every and done % every == 0):
                     metrics.update(await eval_during_training(self.rt, self.cfg, self.eval_rows, done))
-                await save_checkpoint(self.rt, self.step, self.cursor, self.optimizer, metrics)
+                await save_checkpoint(self.rt, self.step, {"cursor": self.stage.cursor.state()}, self.stage.optimizer, metrics)
                 append_metrics(self.run_dir, metrics)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}")
                 bar.update(1)
@@ -146,29 +189,6 @@ class SFTTrainer:
         last = json.loads(path.read_text().splitlines()[-1]) if path.is_file() else {}
         return {"resumed": resumed, "steps": self.step, "adapter": str(final_dir), "metrics": {k: v for k, v in last.items() if k != "step"}}
 
-    async def train_step(self) -> dict:
-        rt, algo = self.rt, self.algo
-        started = time.perf_counter()
-        picked = self.cursor.take(algo.batch_size)
-        examples = [self.example(i) for i in picked]
-
-        def update() -> dict:
-            rt.policy.model.train()
-            self.optimizer.zero_grad(set_to_none=True)
-            stats = sft_loss_and_backward(rt.policy, examples, algo.micro_batch_size)
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(rt.policy.trainable_parameters(), algo.max_grad_norm))
-            self.optimizer.step()
-            rt.policy.model.eval()
-            return {**stats, "grad_norm": grad_norm}
-
-        async with rt.engine.paused():  # no forward pass may run while weights change
-            stats = await asyncio.to_thread(update)
-            rt.policy.version += 1
-        return {
-            "step": self.step, "policy_version": rt.policy.version, **stats, "lr": float(algo.lr),
-            "examples": len(examples), "seq_len_mean": sum(len(ids) for ids, _ in examples) / len(examples),
-            "time_update_s": time.perf_counter() - started,
-        }
 
 async def train_sft(cfg: DictConfig, run_dir: Path) -> dict:
     async with Runtime(cfg, run_dir) as rt:

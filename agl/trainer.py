@@ -1,6 +1,12 @@
 """The GRPO training loop, checkpointed into the store after every step.
 
-One step:
+With ``algo.warmup.steps`` > 0 the job first runs that many SFT steps on the task's
+demonstrations (``agl.sft.SFTStage``): the base model's samples may never earn a reward
+(GSM8K's never reach a well-formed answer), and GRPO can only amplify what it samples.
+Warm-up steps are steps 0..W-1 of the same store, checkpointed and resumed like GRPO's
+(their own cursor and optimizer); GRPO's steps are W..W+steps-1.
+
+One GRPO step:
   1. sample B tasks (a seeded, resumable cursor) and enqueue G rollouts for each;
   2. wait for them (runners run the agent; the route records spans);
   3. adapt spans to samples and compute group advantages;
@@ -29,6 +35,7 @@ from agl.evaluate import eval_during_training
 from agl.failures import check_rollouts
 from agl.grpo import GRPOConfig, GRPOUpdate, advantages
 from agl.runtime import Runtime, succeeded
+from agl.sft import SFTStage
 
 
 class GRPOTrainer:
@@ -45,32 +52,54 @@ class GRPOTrainer:
         self.end_rows = self.eval_rows if end_size is None else (eval_rows[:end_size] if end_size else eval_rows)
         self.cursor = TaskCursor(len(self.train_rows), cfg.seed)
         self.update = GRPOUpdate(rt.policy, GRPOConfig.from_cfg(self.algo))
-        self.step = 0
+        warmup = self.algo.get("warmup")
+        self.warmup = SFTStage(rt, cfg, warmup) if warmup and (warmup.steps or warmup.get("epochs")) else None
+        self.warmup_steps = self.warmup.steps if self.warmup else 0
+        self.total_steps = self.warmup_steps + self.algo.steps
+        self.step = 0  # warm-up steps first, then GRPO's
 
     # ------------------------------------------------------------------ state
 
     async def restore(self) -> bool:
         """Load the last checkpoint, if any. True when resuming; a fresh run evaluates a baseline."""
-        checkpoint = await restore_checkpoint(self.rt, self.cfg, self.update.optimizer)
+        checkpoint = await restore_checkpoint(self.rt, self.cfg, self._optimizer_for)
         if checkpoint is None:
             await self._eval_if_due(step=0)
             return False
         self.cursor = TaskCursor(len(self.train_rows), self.cfg.seed, **checkpoint.state["cursor"])
+        if self.warmup and "sft_cursor" in checkpoint.state:
+            self.warmup.restore_cursor(checkpoint.state["sft_cursor"])
         self.step = checkpoint.step + 1
         return True
+
+    def _optimizer_for(self, state: dict) -> torch.optim.Optimizer:
+        """The optimizer a checkpoint saved: the warm-up's until GRPO has taken a step."""
+        return self.warmup.optimizer if state.get("stage") == "sft" else self.update.optimizer
+
+    def _state(self, stage: str) -> dict:
+        state = {"stage": stage, "cursor": self.cursor.state()}
+        return state | ({"sft_cursor": self.warmup.cursor.state()} if self.warmup else {})
 
     # ------------------------------------------------------------------ loop
 
     async def train(self) -> dict:
         resumed = await self.restore()
-        steps = self.algo.steps
-        with tqdm(total=steps, initial=self.step, desc="steps", dynamic_ncols=True, disable=not self.cfg.progress) as bar:
-            while self.step < steps:
-                metrics = await self.train_step()
+        with tqdm(total=self.total_steps, initial=self.step, desc="steps", dynamic_ncols=True, disable=not self.cfg.progress) as bar:
+            while self.step < self.total_steps:
+                stage = "sft" if self.step < self.warmup_steps else "grpo"
+                if stage == "sft":
+                    metrics = await self.warmup.train_step(self.step)
+                    metrics["sft_loss"] = metrics.pop("loss")  # a likelihood, not GRPO's surrogate: plotted apart
+                    optimizer = self.warmup.optimizer
+                else:
+                    metrics = await self.train_step()
+                    optimizer = self.update.optimizer
+                metrics["stage"] = stage
                 metrics.update(await self._eval_if_due(self.step + 1))
-                await save_checkpoint(self.rt, self.step, self.cursor, self.update.optimizer, metrics)
+                await save_checkpoint(self.rt, self.step, self._state(stage), optimizer, metrics)
                 append_metrics(self.run_dir, metrics)
-                bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", version=metrics["policy_version"])
+                shown = {"sft_loss": f"{metrics['sft_loss']:.3f}"} if stage == "sft" else {"reward": f"{metrics['reward_mean']:.3f}"}
+                bar.set_postfix(**shown, version=metrics["policy_version"])
                 bar.update(1)
                 self.step += 1
         final_dir = self.run_dir / "adapter"
@@ -138,10 +167,11 @@ class GRPOTrainer:
 
     async def _eval_if_due(self, step: int) -> dict:
         every = self.algo.eval_every
-        due = step == 0 or (every and step % every == 0) or step == self.algo.steps
+        warmed_up = self.warmup_steps and step == self.warmup_steps  # what the warm-up alone did
+        due = step == 0 or (every and step % every == 0) or step == self.total_steps or warmed_up
         if not due:
             return {}
-        end = step in (0, self.algo.steps)
+        end = step in (0, self.total_steps)
         rows = self.end_rows if end else self.eval_rows
         return await eval_during_training(self.rt, self.cfg, rows, step, slice_size=len(self.eval_rows) if end else 0)
 

@@ -25,6 +25,8 @@ RUN = [
     "task.agent=crash_points:multi_turn_agent", "task.data=crash_points:load", "task.max_tokens=6",
     "+task.resources.max_turns=2", "task.eval_size=4", "algo.steps=5", "algo.eval_every=2",
     "algo.batch_size=2", "algo.group_size=4", "algo.micro_batch_size=4", "algo.lr=1e-2",
+    # an SFT warm-up first (steps 0-1): kills may land in it or at the switch to GRPO
+    "algo.warmup.steps=2", "algo.warmup.batch_size=4", "algo.warmup.micro_batch_size=2", "algo.warmup.lr=1e-2",
 ]
 # What a process measures about itself, not what the run computed: wall times (time_*, *_s,
 # tokens_per_s) and the engine's prefill counter (shared prefills depend on arrival order, and a
@@ -114,6 +116,6 @@ def test_kill_9_anywhere_changes_nothing(reference, tmp_path):
     assert metrics(run_dir) == metrics(reference), checkpoints_at_kill
     # no rollout failed, every step trained once, the optimizer's step count is continuous
     assert query(run_dir, "SELECT count(*) FROM rollouts WHERE status != 'succeeded'") == [(0,)]
-    assert query(run_dir, "SELECT step, policy_version FROM checkpoints ORDER BY step") == [(s, s + 1) for s in range(5)]
+    assert query(run_dir, "SELECT step, policy_version FROM checkpoints ORDER BY step") == [(s, s + 1) for s in range(7)]
     died = query(run_dir, "SELECT count(*) FROM attempts WHERE json_extract(metadata, '$.harness_ended') IS NOT NULL")
     assert died[0][0] >= 1  # at least the rollout kill's attempts were handed back, uncharged

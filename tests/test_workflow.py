@@ -177,6 +177,27 @@ async def test_sft_learns_checkpoints_and_its_adapter_is_picked_up_by_later_runs
     assert all(p.requires_grad for p in later.trainable_parameters()) and later.trainable_parameters()
 
 
+async def test_grpo_with_an_sft_warm_up_is_one_job_in_one_store(tmp_path):
+    """algo.warmup.steps=W: SFT steps 0..W-1 on the demonstrations, an eval when they end, then GRPO."""
+    cfg = compose_cfg(TINY + ["task=hello", "task.eval_size=2", "algo=grpo", "algo.steps=2", "algo.batch_size=2", "algo.group_size=2",
+                              "algo.micro_batch_size=4", "algo.eval_every=0", "algo.warmup.steps=3", "algo.warmup.batch_size=4",
+                              "algo.warmup.micro_batch_size=2", "algo.warmup.lr=1e-2"])
+    result = await train(cfg, tmp_path)
+    assert result["steps"] == 5
+    lines = metrics_lines(tmp_path)
+    assert [(line["step"], line.get("stage")) for line in lines] == [(-1, None), (0, "sft"), (1, "sft"), (2, "sft"), (3, "grpo"), (4, "grpo")]
+    assert all("sft_loss" in line and "reward_mean" not in line for line in lines[1:4])
+    assert all("reward_mean" in line and "sft_loss" not in line for line in lines[4:])
+    assert [line["step"] for line in lines if "eval/reward" in line] == [-1, 2, 4]  # base, after the warm-up, the end
+    assert [line["policy_version"] for line in lines[1:4]] == [1, 2, 3]  # every warm-up step moved the LoRA
+    # only GRPO steps enqueue rollouts, tagged with their global step
+    async with Runtime(cfg, tmp_path) as rt:
+        steps = {r.metadata.get("step") for r in await rt.store.query_rollouts() if r.mode == "train"}
+        states = [c.state["stage"] for c in await rt.store.list_checkpoints()]
+    assert steps == {3, 4}
+    assert states == ["sft", "sft", "sft", "grpo", "grpo"]
+
+
 def test_report_reads_a_run_without_loading_a_model(grpo_run):
     code = (
         "import runpy, sys; sys.argv = ['harness.py', 'report=%s']; "
