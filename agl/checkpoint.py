@@ -54,7 +54,8 @@ class TaskCursor:
 
 
 def adapter_bytes(policy: Any) -> bytes:
-    state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(policy.model).items()}
+    """The LoRA's weights as safetensors bytes; never the base vocabulary matrices (they do not train)."""
+    state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(policy.model, save_embedding_layers=False).items()}
     return save_safetensors(state)
 
 

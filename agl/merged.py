@@ -7,8 +7,11 @@ The sampler instead holds ``W = dequant(W_4bit) + scale * B @ A`` as one dense m
 layer in the compute dtype and runs one matmul per layer.
 
 What is shared, not copied: embeddings, norms, rotary buffers and the (tied) vocabulary
-projection are the policy's own tensors, so the residual stream and logits stay fp32
-exactly as in training. What differs: the LoRA product is rounded into the dense weight
+projection are the policy's own modules, so the residual stream and logits stay fp32
+exactly as in training. That includes a LoRA on the embeddings or the head
+(``model.lora.train_embeddings`` / ``train_head``): those layers run as the policy's own LoRA
+modules, base plus LoRA in fp32, not merged (a merge would write into the shared, possibly tied,
+vocabulary matrix). What differs: the LoRA product is rounded into the dense weight
 (bf16 here) instead of being added in fp32. The trainer logs ``logprob_diff_abs`` (mean
 |trainer logprob - sampler logprob| per token): on the hello task it went from ~0.018 to
 ~0.026 nats with the same reward curve (BENCHMARKS.md); ``engine.weights=adapter`` turns
@@ -63,14 +66,15 @@ def dense_linear(layer: nn.Module, dtype: torch.dtype) -> DenseLinear:
 
 def dense_layers(model: nn.Module) -> dict[str, nn.Module]:
     """The layers to densify, by name: every (possibly LoRA-wrapped, possibly quantized)
-    linear except the output embedding, which stays the policy's own fp32 tensor."""
+    linear except the output embedding, which stays the policy's own fp32 module. A LoRA on
+    the input embeddings is not a linear layer: it stays the policy's own too."""
     from peft.tuners.lora import LoraLayer
 
     output = model.get_output_embeddings()
     return {
         name: module
         for name, module in model.named_modules()
-        if isinstance(module, (LoraLayer, nn.Linear))
+        if isinstance(module.get_base_layer() if isinstance(module, LoraLayer) else module, nn.Linear)
         and module is not output
         and ".base_layer" not in name
         and ".lora_" not in name
@@ -94,8 +98,8 @@ class MergedSampler:
         self._fingerprint: tuple | None = None
 
     def _copy_tree(self, module: nn.Module, prefix: str) -> nn.Module:
-        if not module._modules:
-            return module  # a leaf that is not densified: shared
+        if not any(name.startswith(prefix) for name in self.layers):
+            return module  # nothing below is densified: shared, with its state (e.g. a LoRA's on/off switch)
         clone = copy.copy(module)
         clone._modules = {
             name: None if child is None else (child if f"{prefix}{name}" in self.layers else self._copy_tree(child, f"{prefix}{name}."))

@@ -9,13 +9,16 @@ Where the weights come from (`model.path`):
   - any local HF model directory, or a hub id where a hub is reachable.
 
 The base weights are then quantized by bitsandbytes (``nf4`` by default) and wrapped in a
-peft LoRA. The LoRA parameters are the only trainable ones; disabling the adapter gives the
-reference policy for KL without a second copy of the model.
+peft LoRA: on the linear layers ``model.lora.target_modules`` names, and optionally on the input
+embeddings and the output projection (``train_embeddings``, ``train_head``; see ``lora_config``).
+The LoRA parameters are the only trainable ones; disabling the adapter gives the reference
+policy for KL without a second copy of the model.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import importlib.util
 import json
@@ -178,7 +181,10 @@ def convert_embedded(cache_dir: Path, gguf: Path | None = None) -> Path:
 
 
 def build_tiny(cache_dir: Path, tiny: dict) -> Path:
-    """A tiny random-weight Llama with the real SmolLM2 tokenizer, cached like the real one."""
+    """A tiny random-weight Llama with the real SmolLM2 tokenizer, cached like the real one.
+
+    Its embeddings are tied like SmolLM2's unless ``tiny`` says ``tie_word_embeddings: false``.
+    """
     tiny = dict(tiny)
     seed = tiny.pop("seed", 0)
     key = "tiny-" + hashlib.sha256(json.dumps([tiny, seed], sort_keys=True).encode()).hexdigest()[:12]
@@ -193,8 +199,7 @@ def build_tiny(cache_dir: Path, tiny: dict) -> Path:
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-            tie_word_embeddings=True,
-            **tiny,
+            **{"tie_word_embeddings": True, **tiny},
         )
         torch.manual_seed(seed)
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp, safe_serialization=True)
@@ -264,21 +269,32 @@ class Policy:
         with self.model.disable_adapter():
             yield
 
+    def distinct_parameters(self) -> list[torch.nn.Parameter]:
+        """Every parameter once: a tied LoRA's aliases, views of other parameters, are left out
+        (their gradients are folded into the parameters they view, see ``fold_tied_gradients``)."""
+        aliases = {id(alias) for alias, _ in tied_lora_aliases(self.model)}
+        return [p for p in self.model.parameters() if id(p) not in aliases]
+
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.model.parameters() if p.requires_grad]
+        """What the optimizer steps and clips."""
+        return [p for p in self.distinct_parameters() if p.requires_grad]
 
     def parameter_counts(self) -> tuple[int, int]:
         """(trainable, total) parameters; 4-bit weights count by their unpacked element count."""
         trainable = sum(p.numel() for p in self.trainable_parameters())
         total = 0
-        for p in self.model.parameters():
+        for p in self.distinct_parameters():
             quant_state = getattr(p, "quant_state", None)
             total += int(torch.Size(quant_state.shape).numel()) if quant_state is not None else p.numel()
         return trainable, total
 
     def save_adapter(self, directory: str | Path) -> None:
-        """Save the LoRA in standard peft format (adapter_config.json + adapter_model.safetensors)."""
-        self.model.save_pretrained(str(directory))
+        """Save the LoRA in standard peft format (adapter_config.json + adapter_model.safetensors).
+
+        The base embeddings never train here, so they are never saved: peft's default copies the
+        whole vocabulary matrices into the adapter whenever an embedding layer is a LoRA target.
+        """
+        self.model.save_pretrained(str(directory), save_embedding_layers=False)
         self.tokenizer.save_pretrained(str(directory))
 
 
@@ -353,7 +369,7 @@ def load_policy(cfg: Any, device: str = "auto") -> Policy:
 
 
 def _load_policy(cfg: Any, device: str) -> Policy:
-    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft import PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_device = resolve_device(device)
@@ -388,16 +404,10 @@ def _load_policy(cfg: Any, device: str) -> Policy:
         adapter_dir = find_adapter_dir(cfg.adapter)
         model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True)
     else:
-        lora = cfg.lora
-        target = lora.target_modules
-        target = target if isinstance(target, str) else list(target)
-        model = get_peft_model(
-            base,
-            LoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=target, task_type="CAUSAL_LM"),
-        )
-    for p in model.parameters():  # LoRA weights train in fp32 even when compute is bf16
-        if p.requires_grad and p.dtype != torch.float32:
-            p.data = p.data.float()
+        model = get_peft_model(base, lora_config(cfg.lora, base))
+        check_vocabulary_tie(model, cfg.lora)
+    train_in_fp32(model)
+    fold_tied_gradients(model)
 
     eos = {tokenizer.eos_token_id}
     gen_eos = base.generation_config.eos_token_id
@@ -420,3 +430,143 @@ def find_adapter_dir(adapter: str) -> Path:
         if (candidate / "adapter_config.json").is_file():
             return candidate
     raise ConfigError(f"model.adapter '{adapter}' holds no adapter_config.json (neither it nor '{path / 'adapter'}')")
+
+
+# ----------------------------------------------------------------------------- what the LoRA trains
+
+
+def lora_config(lora: Any, base: torch.nn.Module) -> Any:
+    """The peft ``LoraConfig`` for ``model.lora``.
+
+    ``target_modules`` picks linear layers (``all-linear``: every one but the output layer).
+    ``train_embeddings`` adds a LoRA on the input embeddings and ``train_head`` one on the output
+    projection, at the same rank. When the model ties the two (SmolLM2 does), they are one matrix:
+    either option puts one LoRA on it, shared by both roles (peft's ``ensure_weight_tying``), so
+    input and output stay tied. With both options off the config is exactly what it was before
+    these options existed.
+
+    Left out: training the full matrices (peft's ``modules_to_save``: vocabulary x hidden trainable
+    parameters, 28M for SmolLM2 with three times that in AdamW state, in every checkpoint) and
+    peft's ``trainable_token_indices`` (full rows for a chosen list of tokens: no list to choose here).
+    """
+    from peft import LoraConfig
+
+    extra = vocabulary_targets(base, lora.get("train_embeddings", False), lora.get("train_head", False))
+    tie = {"ensure_weight_tying": True} if extra and ties_embeddings(base) else {}
+    return LoraConfig(
+        r=lora.r,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=with_targets(lora.target_modules, extra, base),
+        task_type="CAUSAL_LM",
+        **tie,
+    )
+
+
+def ties_embeddings(base: torch.nn.Module) -> bool:
+    """True when the output projection computes with the input embedding matrix itself."""
+    head = base.get_output_embeddings()
+    return head is not None and head.weight is base.get_input_embeddings().weight
+
+
+def module_name(model: torch.nn.Module, module: torch.nn.Module) -> str:
+    return next(name for name, m in model.named_modules() if m is module)
+
+
+def vocabulary_targets(base: torch.nn.Module, embeddings: bool, head: bool) -> list[str]:
+    """Full names of the vocabulary matrices to put a LoRA on.
+
+    Tied: the input embeddings' name for either option; peft then gives the output layer the
+    same LoRA. Full names on purpose: a bare ``embed_tokens`` or ``lm_head`` in the target list
+    makes peft's default save copy the base embedding matrices into every adapter.
+    """
+    tied = ties_embeddings(base)
+    chosen = [base.get_input_embeddings()] if embeddings or (head and tied) else []
+    if head and not tied:
+        chosen.append(base.get_output_embeddings())
+    return [module_name(base, module) for module in chosen]
+
+
+def with_targets(target: Any, extra: list[str], base: torch.nn.Module) -> Any:
+    """``model.lora.target_modules`` with the module names ``extra`` added.
+
+    ``all-linear`` is expanded the way peft expands it (linear and Conv1D layers, the output
+    layer excluded), since peft accepts ``all-linear`` only as the whole value; another string is
+    a regex, extended by alternation; a list is extended. Without ``extra``, ``target`` is passed
+    on unchanged.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    if not extra:
+        return target if isinstance(target, str) else list(target)
+    if isinstance(target, str) and target.lower() == "all-linear":
+        head = base.get_output_embeddings()
+        linear = [name for name, m in base.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head]
+        return linear + extra
+    if isinstance(target, str):
+        return "|".join([f"(?:{target})", *(re.escape(name) for name in extra)])
+    return list(target) + extra
+
+
+def tied_lora_aliases(model: Any) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+    """(alias, owner) pairs of a LoRA shared by tied embeddings.
+
+    peft ties the output layer's LoRA to the input embeddings' (``ensure_weight_tying``) by making
+    the head's ``lora_A`` and ``lora_B`` new parameters over the transposed storage of the
+    embeddings' ``lora_embedding_B`` and ``lora_embedding_A``: one matrix, two parameter objects.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    head, embed = base.get_output_embeddings(), base.get_input_embeddings()
+    if not (isinstance(head, LoraLayer) and isinstance(embed, LoraLayer) and ties_embeddings(base)):
+        return []
+    pairs = []
+    for name, config in model.peft_config.items():
+        if getattr(config, "ensure_weight_tying", False) and name in head.lora_A and name in embed.lora_embedding_A:
+            pairs.append((head.lora_A[name].weight, embed.lora_embedding_B[name]))
+            pairs.append((head.lora_B[name].weight, embed.lora_embedding_A[name]))
+    return pairs
+
+
+def check_vocabulary_tie(model: Any, lora: Any) -> None:
+    """Fail when tied embeddings were asked to train but peft did not share one LoRA between them."""
+    import peft
+
+    base = model.get_base_model()
+    asked = lora.get("train_embeddings", False) or lora.get("train_head", False)
+    if asked and ties_embeddings(base) and not tied_lora_aliases(model):
+        raise ConfigError(
+            f"model.lora.train_embeddings/train_head on a model with tied embeddings needs peft's "
+            f"ensure_weight_tying for target_modules, which peft {peft.__version__} does not do; upgrade peft"
+        )
+
+
+def train_in_fp32(model: Any) -> None:
+    """LoRA weights train in fp32 even when compute is bf16.
+
+    Upcasting copies each parameter on its own (peft's autocast of a bf16 adapter does too), which
+    would untie a tied LoRA; its aliases are then pointed back at their owners' storage.
+    """
+    for p in model.parameters():
+        if p.requires_grad and p.dtype != torch.float32:
+            p.data = p.data.float()
+    for alias, owner in tied_lora_aliases(model):
+        alias.data = owner.data.t()
+
+
+def fold_tied_gradients(model: Any) -> None:
+    """Train a tied LoRA as one matrix: each alias's gradient is added to its owner's.
+
+    The optimizer then steps each tied matrix once, with the summed gradient of both roles, as
+    it would a tied base weight (``Policy.trainable_parameters`` skips the aliases). Without this,
+    AdamW would step the shared storage twice, with two sets of moments and twice the weight decay.
+    """
+    for alias, owner in tied_lora_aliases(model):
+        alias.register_post_accumulate_grad_hook(functools.partial(_fold_gradient, owner))
+
+
+def _fold_gradient(owner: torch.nn.Parameter, alias: torch.nn.Parameter) -> None:
+    grad = alias.grad.t().contiguous()
+    owner.grad = grad if owner.grad is None else owner.grad.add_(grad)
+    alias.grad = None
