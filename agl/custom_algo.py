@@ -51,7 +51,6 @@ from agl.errors import ConfigError
 from agl.eval_job import sampling_of, split_rows
 from agl.runtime import Runtime
 from agl.tasks import import_object
-from agl.types import AttemptedRollout
 
 # What agl passes, by parameter name; each is made only when the function asks for it.
 PROVIDED: dict[str, Callable[[Runtime], Any]] = {
@@ -96,8 +95,8 @@ def load_algorithm(algo: DictConfig) -> tuple[Callable, list[str]]:
 class CustomRuntime(Runtime):
     """The Runtime with ``algo``'s decoding for rollouts enqueued without their own."""
 
-    def sampling_parameters(self, rollout: AttemptedRollout) -> dict:
-        return super().sampling_parameters(rollout) or sampling_of(self.cfg.algo)
+    def default_sampling(self) -> dict:
+        return sampling_of(self.cfg.algo)
 
 
 async def run_custom(cfg: DictConfig, run_dir: Path) -> Any:

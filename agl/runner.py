@@ -11,6 +11,15 @@ hooks and the agent, and reports the outcome:
 Retries then follow the store's rules (``RolloutConfig.retry_condition``/``max_attempts``).
 A runner survives anything its agent does; only cancellation stops it.
 
+The agent's ``llm.sampling_parameters`` are the rollout's ``metadata["sampling"]``, else the
+runner's ``default_sampling`` (an algorithm's decoding for rollouts enqueued without their own).
+
+A runner in another process than the route (``agl.attach``) is given ``route_alive``, asked
+before an attempt's outcome is reported: once the route's process has ended, an outcome says
+nothing about the agent (its calls failed, or it made something of failed calls), so it is
+not reported, and the attempt goes back to the queue uncharged when the runner's store
+session closes (rule R7).
+
 Hooks have agent-lightning's names and order: ``on_rollout_start``, ``on_trace_start``,
 (agent runs), ``on_trace_end``, ``on_rollout_end``. ``on_rollout_end`` sees the attempt's
 spans and may return a float, which replaces the rollout's final reward.
@@ -23,7 +32,7 @@ import logging
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Sequence
+from typing import Any, Awaitable, Callable, Sequence
 
 from agl.agent import LLM, RolloutContext, call_agent
 from agl.types import AttemptedRollout, AttemptStatus, Span
@@ -57,24 +66,26 @@ class Runner:
         llm_endpoint: Callable[[str, str], str],
         model_name: str,
         api_key: str = "agl",
-        sampling_parameters: Callable[[AttemptedRollout], dict] | None = None,
+        default_sampling: dict | None = None,
         hooks: Sequence[Hook] = (),
         worker_id: str = "runner-0",
         poll_interval: float = 0.02,
         heartbeat_interval: float = 5.0,
         executor: Any = None,
+        route_alive: Callable[[], Awaitable[bool]] | None = None,
     ):
         self.store = store
         self.agent = agent
         self.llm_endpoint = llm_endpoint
         self.model_name = model_name
         self.api_key = api_key
-        self.sampling_parameters = sampling_parameters or (lambda rollout: {})
+        self.default_sampling = default_sampling or {}
         self.hooks = list(hooks)
         self.worker_id = worker_id
         self.poll_interval = poll_interval
         self.heartbeat_interval = heartbeat_interval
         self.executor = executor  # threads for sync agents: one per runner, so none waits for a thread
+        self.route_alive = route_alive  # see the module docstring
         self._resources_cache: dict[str, dict] = {}
 
     async def run_forever(self) -> None:
@@ -90,7 +101,8 @@ class Runner:
         await self.run_attempt(rollout)
         return True
 
-    async def run_attempt(self, rollout: AttemptedRollout) -> AttemptStatus:
+    async def run_attempt(self, rollout: AttemptedRollout) -> AttemptStatus | None:
+        """Run one attempt and report its status; None when the route's process ended meanwhile."""
         attempt = rollout.attempt
         heartbeat = asyncio.create_task(self._heartbeat(rollout))
         status, metadata = AttemptStatus.SUCCEEDED, None
@@ -105,6 +117,8 @@ class Runner:
             metadata = {"error": f"{type(error).__name__}: {error}", "traceback": traceback.format_exc()}
         finally:
             heartbeat.cancel()
+        if self.route_alive is not None and not await self.route_alive():
+            return None
         await self.store.update_attempt(rollout.rollout_id, attempt.attempt_id, status=status, **({"metadata": metadata} if metadata else {}))
         return status
 
@@ -115,7 +129,7 @@ class Runner:
             base_url=self.llm_endpoint(rollout.rollout_id, attempt.attempt_id),
             model=self.model_name,
             api_key=self.api_key,
-            sampling_parameters=dict(self.sampling_parameters(rollout)),
+            sampling_parameters=dict((rollout.metadata or {}).get("sampling") or self.default_sampling),
         )
         context = RolloutContext(self.store, rollout.rollout_id, attempt.attempt_id, asyncio.get_running_loop())
         await self._call_hooks("on_rollout_start", rollout=rollout)
@@ -152,10 +166,18 @@ class Runner:
 
 
 class RunnerPool:
-    """``n`` runners as asyncio tasks; ``async with RunnerPool(...)`` starts and stops them."""
+    """``n`` runners as asyncio tasks; ``async with RunnerPool(...)`` starts and stops them.
 
-    def __init__(self, n: int, **runner_kwargs: Any):
-        self.executor = ThreadPoolExecutor(max_workers=n, thread_name_prefix="agl-agent")
+    ``n`` may be 0 (a job whose rollouts only runner processes run, ``runner.processes``).
+    ``wait_for_agents``: on exit, also wait until the agent calls still running in threads have
+    returned (a thread cannot be interrupted). A runner process that hands its attempts back
+    sets it, so that none of its agents' requests reaches the route after the hand-back: a span
+    recorded then would revive the handed-back attempt (rule R3) with no runner left to finish it.
+    """
+
+    def __init__(self, n: int, wait_for_agents: bool = False, **runner_kwargs: Any):
+        self.executor = ThreadPoolExecutor(max_workers=max(n, 1), thread_name_prefix="agl-agent")
+        self.wait_for_agents = wait_for_agents
         self.runners = [Runner(worker_id=f"runner-{i}", executor=self.executor, **runner_kwargs) for i in range(n)]
         self._tasks: list[asyncio.Task] = []
 
@@ -169,5 +191,7 @@ class RunnerPool:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        # A sync agent still running (e.g. one that timed out) cannot be interrupted; don't wait for it.
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.wait_for_agents:
+            await asyncio.to_thread(self.executor.shutdown, wait=True, cancel_futures=True)
+        else:  # a sync agent still running (e.g. one that timed out) cannot be interrupted; don't wait for it
+            self.executor.shutdown(wait=False, cancel_futures=True)

@@ -5,6 +5,12 @@
 
 Algorithms (GRPO, eval, prompt search) talk only to ``rt.store`` and ``rt.policy``; agents
 talk only to the route. Data flows one way: task -> rollout -> spans -> samples -> update.
+
+Runners need not live in this process: once the route serves, the runtime publishes what a
+runner needs to join (``agl.attach``; its own ``runner.n`` runners are made from the same entry),
+starts ``runner.processes`` runner processes, and withdraws the entry first when it stops. With
+``runner.n=0`` only runner processes run the rollouts; with none of either nothing would, which
+is a ConfigError rather than a wait.
 """
 from __future__ import annotations
 
@@ -15,20 +21,28 @@ from typing import Any, Sequence
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
+from agl.attach import RUNNERS_KEY, runner_entry, runner_pool
 from agl.engine import Engine
 from agl.errors import ConfigError
 from agl.model import Policy, load_policy
 from agl.runner import RunnerPool
+from agl.runner_processes import RunnerProcesses
 from agl.server import ModelServer
 from agl.store import SqliteStore
 from agl.tasks import Task, load_task
-from agl.types import AttemptedRollout, AttemptStatus, Rollout, RolloutConfig, RolloutStatus
+from agl.types import AttemptStatus, Rollout, RolloutConfig, RolloutStatus
 
 
 class Runtime:
     def __init__(self, cfg: DictConfig, run_dir: str | Path, policy: Policy | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        self.processes_n = cfg.runner.get("processes", 0)  # runs saved before the option existed
+        if cfg.runner.n < 1 and self.processes_n < 1:
+            raise ConfigError(
+                "runner.n=0 and runner.processes=0: nothing would run the rollouts. Give this job runners "
+                "(runner.n) or runner processes (runner.processes); algo=runner attach=<run dir> adds more to a running job"
+            )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.task: Task = load_task(cfg.task)
         self._policy = policy
@@ -36,6 +50,9 @@ class Runtime:
         self.engine: Engine | None = None
         self.server: ModelServer | None = None
         self.runners: RunnerPool | None = None
+        self.processes: RunnerProcesses | None = None
+        self._published = False
+        self._failure: Exception | None = None  # set by a part that fails the job from outside its task
 
     @property
     def policy(self) -> Policy:
@@ -44,6 +61,7 @@ class Runtime:
 
     async def __aenter__(self) -> "Runtime":
         cfg = self.cfg
+        self._job_task = asyncio.current_task()  # what _fail cancels
         self.store = SqliteStore(self.run_dir / "store.sqlite")
         await self.store.__aenter__()  # opens, reaps a dead previous process's attempts, starts the watchdog
         if self._policy is None:
@@ -58,33 +76,49 @@ class Runtime:
         await self.engine.start()
         self.server = ModelServer(self.engine, self.policy, self.store, host=cfg.server.host, port=cfg.server.port, api_key=cfg.server.api_key, seed=cfg.seed)
         await self.server.start()
-        self.runners = RunnerPool(
-            cfg.runner.n,
-            store=self.store,
-            agent=self.task.agent,
-            llm_endpoint=self.server.rollout_base_url,
-            model_name=self.policy.name,
-            api_key=cfg.server.api_key or "agl",
-            sampling_parameters=self.sampling_parameters,
+        entry = runner_entry(
+            self.server.rollout_base_url("{rollout_id}", "{attempt_id}"), self.policy.name, cfg.server.api_key or "agl",
+            self.store.session_id, cfg.task, self.default_sampling(),
         )
+        self.runners = runner_pool(cfg.runner.n, self.store, entry, self.task.agent)
         await self.runners.__aenter__()
+        await self.store.set_run_info(RUNNERS_KEY, entry)
+        self._published = True
+        if self.processes_n:
+            self.processes = RunnerProcesses(self.processes_n, self.run_dir, cfg.runner.per_process, self._fail)
+            await self.processes.start()
         return self
 
+    def _fail(self, error: Exception) -> None:
+        """Fail the job with ``error``: its task is cancelled, and leaving the runtime raises ``error``."""
+        self._failure = error
+        self._job_task.cancel()
+
     async def __aexit__(self, *exc: object) -> None:
-        # Stop in reverse order of start: no agent calls the route, then no request reaches the engine.
+        # The entry is withdrawn first: runner processes stop (their outcomes from then on are not
+        # reported, and their attempts go back uncharged). Then in reverse order of start: no agent
+        # calls the route, then no request reaches the engine; the store closes after the processes.
+        if self.processes is not None:
+            await self.processes.stop_watching()  # from here on their exits are expected
+        if self._published:
+            await self.store.set_run_info(RUNNERS_KEY, None)
         if self.runners is not None:
             await self.runners.__aexit__(None, None, None)
         for part in (self.server, self.engine):
             if part is not None:
                 await part.stop()
+        if self.processes is not None:
+            await self.processes.wait()
         if self.store is not None:
             await self.store.close()
+        if self._failure is not None:
+            raise self._failure from None  # not "during handling of CancelledError"
 
     # ------------------------------------------------------------------ rollouts
 
-    def sampling_parameters(self, rollout: AttemptedRollout) -> dict:
-        """Decoding settings handed to the agent through ``llm.sampling_parameters``."""
-        return (rollout.metadata or {}).get("sampling") or {}  # the Runner hands the agent a copy
+    def default_sampling(self) -> dict:
+        """Decoding settings for rollouts enqueued without their own ``metadata["sampling"]``."""
+        return {}
 
     def rollout_config(self) -> RolloutConfig:
         r = self.cfg.runner

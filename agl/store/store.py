@@ -141,6 +141,19 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
         """This store's session (None when read-only); attempts it creates carry it."""
         return None if self.session is None else self.session.session_id
 
+    async def session_alive(self, session_id: str) -> bool:
+        """Whether the session is open and its process still runs (R7's test, so a process of
+        another host counts as alive). False for an unknown id."""
+
+        def read(conn: Any) -> bool:
+            row = conn.execute(
+                "SELECT pid, process_start_time, hostname, closed_time FROM sessions WHERE session_id = ?",
+                (session_id,),
+            ).fetchone()
+            return row is not None and row[3] is None and sessions.is_alive(sessions.SessionInfo(session_id, *row[:3]))
+
+        return await self._read(read)
+
     # -- lifecycle ---------------------------------------------------------------
 
     def _open_or_clean_up(self) -> None:
