@@ -140,10 +140,10 @@ def _run_section(run_dir: Path, data: dict, rows: list[dict]) -> str:
     items = [
         ("status", effective_status(status) + (f" ({status['error']})" if status and status.get("error") else "") if status else "(no status.json)"),
         ("algo", algo.get("name") + (f" ({algo['fn']})" if algo.get("fn") else "") if algo else None),
-        ("task", f"{task.get('name')} (prompt {task.get('prompt')})" if task else None),
+        ("task", f"{task.get('name')} (prompt {task.get('prompt')})" if task and algo.get("name") != "serve" else None),  # serve runs no task
         ("model", f"{model.get('name')}" + (f", adapter {model['adapter']}" if model.get("adapter") else "")),
         ("steps", f"{checkpoints[-1][0] + 1} of {_planned_steps(algo)} done, policy version {checkpoints[-1][1]}" if checkpoints
-         else None if algo.get("name") in ("eval", "prompt_search", "custom") else "no checkpoint yet"),
+         else None if algo.get("name") in ("eval", "prompt_search", "custom", "serve") else "no checkpoint yet"),
         ("rollouts", ", ".join(f"{n} {s}" for s, n in data["rollouts_by_status"]) or "none"),
         ("by mode", ", ".join(f"{n} {m}" for m, n in data["rollouts_by_mode"]) or "none"),
         ("attempts", "{} ({} retries after agent failures, {} interrupted by the harness dying or closing)".format(*data["attempts"])),

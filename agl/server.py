@@ -4,7 +4,10 @@ Agents talk to the policy through ``/v1/chat/completions``, ``/v1/completions`` 
 ``/v1/responses`` like any OpenAI endpoint. Under ``/rollout/{rollout_id}/attempt/{attempt_id}/v1``
 the same calls are also *recorded*: each sampled choice becomes one span in the store with the exact prompt
 token ids, sampled token ids, their log-probs and the policy version that sampled them, which
-is what the trainer learns from. Unscoped ``/v1`` calls are served but not recorded.
+is what the trainer learns from. Unscoped ``/v1`` calls are served but not recorded, unless the
+server is made with ``record_unscoped=True`` (``algo=serve``): then each one is recorded the same
+way, as a rollout of its own (``metadata={"served": "chat"}`` or ``"completion"``, no mode, no
+input: the span holds the request) whose one attempt succeeds once its spans are stored.
 
 Why in-process: the server runs as a task on the caller's event loop (``uvicorn.Server.serve``),
 next to the engine and the store. No second process, no IPC, and the trainer can pause the
@@ -172,6 +175,7 @@ class ModelServer:
         seed: int = 0,
         model_names: Sequence[str] = (),
         max_stored_responses: int = 1024,
+        record_unscoped: bool = False,
     ):
         self.engine = engine
         self.policy = policy
@@ -186,6 +190,9 @@ class ModelServer:
         self.history = History()
         self.responses = ResponseStore(max_stored_responses)  # for previous_response_id (Responses API)
         self.call_numbers = CallCounter()
+        if record_unscoped and store is None:
+            raise ValueError("record_unscoped needs a store to record into")
+        self.record_unscoped = record_unscoped  # /v1 calls too: each one a rollout of its own
         self.app = self._build_app()
         self._server: _EmbeddedUvicorn | None = None
         self._task: asyncio.Task | None = None
@@ -744,10 +751,18 @@ class ModelServer:
     # ------------------------------------------------------------------ recording
 
     async def _record(self, call: _Call) -> None:
-        """One span per choice (same trace_id) for a rollout call; remember chat turns for prefix reuse."""
-        if call.scope is None:
+        """One span per choice (same trace_id) for a rollout call; remember chat turns for prefix reuse.
+
+        An unscoped call is recorded only with ``record_unscoped``, into a rollout made for it now
+        (nothing is made for a call that failed or whose client left), and finished right after.
+        """
+        if call.scope is None and not self.record_unscoped:
             return
-        rollout_id, attempt_id = call.scope
+        if call.scope is None:
+            served = await self.store.start_rollout(input=None, metadata={"served": call.kind})
+            rollout_id, attempt_id = served.rollout_id, served.attempt.attempt_id
+        else:
+            rollout_id, attempt_id = call.scope
         req = call.req
         sampling = {
             "max_tokens": call.choices[0].stream.params.max_tokens,
@@ -755,7 +770,7 @@ class ModelServer:
             "top_p": req.top_p,
             "n": req.n,
             "seed": call.seed,
-            "seed_from": "request" if req.seed is not None else "derived",
+            "seed_from": "request" if req.seed is not None else "derived" if call.seed is not None else "engine",  # engine: its shared generator (unscoped)
             "stop": req.stop_strings,
             "top_logprobs": req.n_top_logprobs,
             "ignore_eos": req.ignore_eos,
@@ -799,8 +814,10 @@ class ModelServer:
                 response_logprobs=out.logprobs,
             )
             await self.store.add_span(span)
-            if call.kind == "chat":
+            if call.kind == "chat" and call.scope is not None:
                 self.history.add(call.scope, Turn(call.prompt_ids, out.token_ids, prompt_text, call.forced_text + out.text))
+        if call.scope is None:
+            await self.store.update_attempt(rollout_id, attempt_id, status="succeeded")
 
 
 @dataclasses.dataclass

@@ -1,0 +1,234 @@
+"""``algo=serve`` (the trained policy on the route, calls recorded) and ``algo=export`` (merged HF dir + GGUF).
+
+Serve runs as users run it, ``python harness.py ...`` in a subprocess, called with the stock
+``openai`` client and stopped with SIGTERM. Export runs in this process (``agl.run``) on the tiny
+model with a random adapter, and what it wrote is loaded by plain transformers (HF dir, and the
+GGUF through ``gguf_file=``) and compared with the agl policy on a few chat prompts:
+
+  - against the same adapter on an unquantized policy (``model.quantization=none``): the export
+    must match to 1e-4 in every logit (measured <1e-6: the merge itself);
+  - against the NF4 policy it trained as: within 0.25 (measured 0.12 on logits up to ~2: the
+    base's NF4 rounding, which the full-precision export does not have; agl.export says more);
+  - the GGUF against the HF dir: 1e-5 (measured 0: the same float32 weights, q/k rows permuted and back);
+  - bfloat16: GGUF and HF dir equal (1e-5), within 0.05 of the unquantized policy (measured ~0.008);
+  - the exported tokenizers (HF dir and GGUF) render every prompt to the policy's exact ids.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+import agl
+from agl.errors import ConfigError
+from agl.gguf_export import check_gguf_support
+from agl.model import load_policy
+from agl.store import SqliteStore
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    [{"role": "user", "content": "What is 17 * 23?"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour, then 1234 and 56."}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello! I'm Lightning."}, {"role": "user", "content": "Who?"}],
+]
+
+
+def harness_process(tmp_path: Path, *overrides: str) -> subprocess.Popen:
+    environ = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    environ["OMP_NUM_THREADS"] = "1"
+    return subprocess.Popen(
+        [sys.executable, "harness.py", *overrides, f"hydra.run.dir={tmp_path / 'run'}"],
+        cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ----------------------------------------------------------------------------- serve
+
+
+def test_serve_answers_the_openai_client_records_each_call_and_stops_on_sigterm(tmp_path):
+    port = free_port()
+    proc = harness_process(tmp_path, "model=tiny", "algo=serve", f"server.port={port}")
+    lines: list[str] = []
+    started = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("serving "):
+                started.set()
+        started.set()  # the process ended: let the test see why
+
+    threading.Thread(target=read, daemon=True).start()
+    try:
+        assert started.wait(120) and proc.poll() is None, "".join(lines)
+        [banner] = [line for line in lines if line.startswith("serving ")]
+        base_url = banner.split()[1]
+        assert base_url == f"http://127.0.0.1:{port}/v1" and "model 'tiny'" in banner, banner
+
+        client = openai.OpenAI(base_url=base_url, api_key="agl")
+        reply = client.chat.completions.create(
+            model="tiny", messages=PROMPTS[0], max_tokens=8, temperature=0, extra_body={"return_token_ids": True}
+        )
+        stream = client.chat.completions.create(model="tiny", messages=PROMPTS[1], max_tokens=8, stream=True)
+        streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, "".join(lines)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    output = "".join(lines)
+    assert "Traceback" not in output and "stopped; 2 calls recorded" in output, output
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    assert status["status"] == "succeeded" and status["result"]["recorded_calls"] == 2
+
+    async def recorded() -> list:
+        store = SqliteStore.open_readonly(tmp_path / "run" / "store.sqlite")
+        try:
+            rollouts = await store.query_rollouts()
+            return [(r, await store.query_spans(r.rollout_id)) for r in rollouts]
+        finally:
+            await store.close()
+
+    (first, first_spans), (second, second_spans) = asyncio.run(recorded())
+    assert first.status == second.status == "succeeded" and first.metadata == {"served": "chat"}
+    [span] = first_spans
+    assert span.name == "llm.chat" and span.prompt_token_ids == reply.model_extra["prompt_token_ids"]
+    assert span.response_token_ids == reply.choices[0].model_extra["token_ids"]
+    assert len(span.response_logprobs) == len(span.response_token_ids) and span.attributes["request"]["messages"] == PROMPTS[0]
+    [span] = second_spans
+    assert span.attributes["response_text"] == streamed and span.response_token_ids
+
+
+def test_serve_on_a_port_in_use_is_one_line(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = harness_process(tmp_path, "model=tiny", "algo=serve", f"server.port={port}")
+        output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in output, output
+    assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in output, output
+
+
+@pytest.mark.parametrize("algo", ["serve", "export"])
+def test_an_adapter_that_does_not_exist_is_one_line_naming_it(tmp_path, algo):
+    missing = tmp_path / "no-such-run"
+    proc = harness_process(tmp_path, "model=tiny", f"algo={algo}", f"model.adapter={missing}")
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in output, output
+    assert [line for line in output.splitlines() if line.startswith("error:")] == [
+        f"error: model.adapter '{missing}' holds no adapter_config.json (neither it nor '{missing / 'adapter'}')"
+    ], output
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def random_adapter(tiny_model_cfg, directory: Path, **lora) -> Path:
+    """A saved LoRA with random B (peft starts it at zero), so the merge changes the logits."""
+    cfg = OmegaConf.merge(tiny_model_cfg, {"lora": lora})
+    policy = load_policy(cfg, "cpu")
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for parameter in policy.trainable_parameters():
+            parameter.add_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    policy.save_adapter(directory)
+    return directory
+
+
+def chat_ids(tokenizer, messages) -> list[int]:
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+@torch.no_grad()
+def logits(model, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits.float()
+
+
+@pytest.mark.parametrize("lora", [{}, {"train_embeddings": True}], ids=["linear-layers", "tied-embeddings-too"])
+def test_export_loads_in_plain_transformers_and_matches_the_policy(tmp_path, tiny_model_cfg, lora):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter = random_adapter(tiny_model_cfg, tmp_path / "adapter", **lora)
+    result = agl.run("model=tiny", "algo=export", f"model.adapter={adapter}", run_dir=tmp_path / "run")
+    out = tmp_path / "run" / "export"
+    assert result["hf"] == str(out / "hf") and result["gguf"] == str(out / "model-float32.gguf")
+    assert sorted(p.name for p in out.iterdir()) == ["hf", "model-float32.gguf"]  # no temporary dir left
+    for name in ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "chat_template.jinja"):
+        assert (out / "hf" / name).is_file(), name
+
+    hf = AutoModelForCausalLM.from_pretrained(out / "hf")
+    gguf = AutoModelForCausalLM.from_pretrained(out, gguf_file="model-float32.gguf", dtype=torch.float32)
+    hf_tokenizer = AutoTokenizer.from_pretrained(out / "hf")
+    gguf_tokenizer = AutoTokenizer.from_pretrained(out, gguf_file="model-float32.gguf")
+    exact = load_policy(OmegaConf.merge(tiny_model_cfg, {"quantization": "none", "adapter": str(adapter)}), "cpu")
+    trained = load_policy(OmegaConf.merge(tiny_model_cfg, {"adapter": str(adapter)}), "cpu")  # NF4, as trained
+    for messages in PROMPTS:
+        ids = exact.render_chat(messages)
+        assert chat_ids(hf_tokenizer, messages) == ids == chat_ids(gguf_tokenizer, messages)
+        exported = logits(hf, ids)
+        assert (exported - logits(exact.model, ids)).abs().max() < 1e-4
+        assert (exported - logits(gguf, ids)).abs().max() < 1e-5
+        assert (exported - logits(trained.model, ids)).abs().max() < 0.25
+        with exact.reference():  # the merge matters: without the adapter the logits are far off
+            assert (exported - logits(exact.model, ids)).abs().max() > 0.01
+
+
+def test_bfloat16_export_writes_bf16_gguf_matrices(tmp_path, tiny_model_cfg):
+    import gguf
+    from transformers import AutoModelForCausalLM
+
+    adapter = random_adapter(tiny_model_cfg, tmp_path / "adapter")
+    agl.run("model=tiny", "algo=export", f"model.adapter={adapter}", "algo.dtype=bfloat16", run_dir=tmp_path / "run")
+    out = tmp_path / "run" / "export"
+    reader = gguf.GGUFReader(out / "model-bfloat16.gguf")
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert types["blk.0.attn_q.weight"] == "BF16" and types["blk.0.attn_norm.weight"] == "F32" and "output.weight" not in types
+    hf = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32)  # the same bf16 values, computed in fp32
+    from_gguf = AutoModelForCausalLM.from_pretrained(out, gguf_file="model-bfloat16.gguf", dtype=torch.float32)
+    exact = load_policy(OmegaConf.merge(tiny_model_cfg, {"quantization": "none", "adapter": str(adapter)}), "cpu")
+    ids = exact.render_chat(PROMPTS[0])
+    assert (logits(hf, ids) - logits(from_gguf, ids)).abs().max() < 1e-5
+    assert (logits(hf, ids) - logits(exact.model, ids)).abs().max() < 0.05  # bf16 rounding of the weights
+
+
+def test_export_refuses_an_out_dir_that_holds_files(tmp_path, tiny_model_cfg):
+    adapter = random_adapter(tiny_model_cfg, tmp_path / "adapter")
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep me")
+    with pytest.raises(ConfigError, match="already holds files"):
+        agl.run("model=tiny", "algo=export", f"model.adapter={adapter}", f"algo.out={tmp_path / 'mine'}", run_dir=tmp_path / "run")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
+
+
+@pytest.mark.parametrize(
+    "config, pre_tokenizer, message",
+    [
+        ({"model_type": "qwen2"}, {"type": "ByteLevel"}, "only the llama architecture is mapped, not 'qwen2'"),
+        ({"model_type": "llama", "rope_parameters": {"rope_type": "llama3"}}, {"type": "ByteLevel"}, "RoPE scaling"),
+        ({"model_type": "llama"}, {"type": "Sequence", "pretokenizers": []}, "split text as GPT-2 does"),
+    ],
+)
+def test_gguf_export_names_what_it_does_not_map(tmp_path, config, pre_tokenizer, message):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"model": {"type": "BPE"}, "pre_tokenizer": pre_tokenizer}))
+    with pytest.raises(ConfigError, match=message):
+        check_gguf_support(tmp_path)
