@@ -12,6 +12,10 @@ import sys
 # It must be set before either runtime starts.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from agl.memory import release_freed_memory  # noqa: E402
+
+release_freed_memory()  # before torch allocates: freed tensors go back to the OS (agl/memory.py)
+
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
@@ -19,9 +23,9 @@ from agl.errors import ConfigError  # noqa: E402
 from agl.sweep import job_dir_name, sweep_id
 
 # A resumed run writes into its own dir, and keeps the .hydra/ config it was started with;
-# a report writes no config at all.
-OmegaConf.register_new_resolver("agl_run_dir", lambda resume, report, fresh: resume or report or fresh)
-OmegaConf.register_new_resolver("agl_output_subdir", lambda resume, report: None if (resume or report) else ".hydra")
+# a report, and a runner process attached to a run, write no config at all.
+OmegaConf.register_new_resolver("agl_run_dir", lambda resume, report, attach, fresh: resume or report or attach or fresh)
+OmegaConf.register_new_resolver("agl_output_subdir", lambda resume, report, attach: None if (resume or report or attach) else ".hydra")
 # Sweeps: the same command line gives the same sweep dir (cached: every job sees the launcher's
 # value) and the same job subdirs, so re-running it skips finished jobs and resumes the rest.
 OmegaConf.register_new_resolver("agl_sweep_id", lambda: sweep_id(), use_cache=True)

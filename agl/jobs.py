@@ -91,7 +91,29 @@ def custom(cfg: DictConfig, run_dir: Path) -> object:
     return asyncio.run(run_custom(cfg, run_dir))
 
 
-JOBS = {"info": info, "grpo": grpo, "eval": eval_job, "prompt_search": prompt_search, "sft": sft, "custom": custom}
+def serve(cfg: DictConfig, run_dir: Path) -> dict:
+    from agl.serve_job import run_serve
+
+    return asyncio.run(run_serve(cfg, run_dir))
+
+
+def export(cfg: DictConfig, run_dir: Path) -> dict:
+    from agl.export import run_export
+
+    return run_export(cfg, run_dir)
+
+
+def runner(cfg: DictConfig, run_dir: Path) -> dict:
+    """``algo=runner attach=<run dir>``: a runner process joining another job's run."""
+    from agl.attach import attach
+
+    return asyncio.run(attach(cfg))
+
+
+JOBS = {
+    "info": info, "grpo": grpo, "eval": eval_job, "prompt_search": prompt_search, "sft": sft, "custom": custom,
+    "serve": serve, "export": export, "runner": runner,
+}
 
 
 def resumed_config(cfg: DictConfig) -> DictConfig:
@@ -138,7 +160,9 @@ def run_job(cfg: DictConfig) -> object:
     name = cfg.algo.name
     if name not in JOBS:
         raise ConfigError(f"algo '{name}' has no job; known: {', '.join(sorted(JOBS))}")
-    if name == "info":  # a smoke test: nothing to record or resume
+    if cfg.get("attach") and name != "runner":
+        raise ConfigError(f"attach= joins a running job as a runner process: use it with algo=runner, not algo={name}")
+    if name in ("info", "runner"):  # a smoke test; a process working in another job's run: nothing of their own to record or resume
         return JOBS[name](cfg, run_dir)
 
     previous = read_status(run_dir)
