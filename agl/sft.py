@@ -62,30 +62,46 @@ def render_demonstration(policy: Any, messages: Sequence[dict], max_length: int 
 
 
 def sft_loss_and_backward(policy: Any, examples: Sequence[tuple[list[int], list[int]]], micro_batch_size: int) -> dict:
-    """Accumulate gradients of the token-mean NLL over all ``examples`` (one optimizer step)."""
+    """Accumulate gradients of the token-mean NLL over all ``examples`` (one optimizer step).
+
+    Only the assistant positions reach the vocabulary: with a plain output layer
+    (``agl.grpo.fused_head``) the decoder's hidden states there go through the fused log-prob
+    head, so no [B, T, V] logits exist. A GSM8K micro-batch of 4 x ~250 tokens used to make
+    ~800 MB of fp32 logits plus as much again for their log-softmax and its gradient, for the
+    ~25% of positions that carry loss.
+    """
+    from agl.grpo import fused_head
+    from agl.logprobs import token_logprobs
+
     pad_id = policy.tokenizer.pad_token_id if policy.tokenizer.pad_token_id is not None else policy.eos_token_ids[0]
     total_tokens = sum(sum(mask) for _, mask in examples)
     if total_tokens == 0:
         return {"loss": float("nan"), "train_tokens": 0}
+    head = fused_head(policy)
+    model = policy.model.get_base_model()
+    device = policy.device
     loss_sum = 0.0
     order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))  # less padding per micro-batch
     for start in range(0, len(order), micro_batch_size):
         chunk = [examples[i] for i in order[start : start + micro_batch_size]]
         length = max(len(ids) for ids, _ in chunk)
-        input_ids = torch.full((len(chunk), length), pad_id, dtype=torch.long)
-        attention = torch.zeros((len(chunk), length), dtype=torch.long)
-        labels = torch.full((len(chunk), length), -100, dtype=torch.long)
+        input_ids_BT = torch.full((len(chunk), length), pad_id, dtype=torch.long)
+        attention_BT = torch.zeros((len(chunk), length), dtype=torch.long)
+        learn_BT = torch.zeros((len(chunk), length), dtype=torch.bool)  # position t is learned: its token is predicted at t-1
         for row, (ids, mask) in enumerate(chunk):  # right padding: positions start at 0 for every row
-            input_ids[row, : len(ids)] = torch.tensor(ids)
-            attention[row, : len(ids)] = 1
-            labels[row, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), torch.tensor(-100))
-        device = policy.device
-        logits = policy.model(input_ids=input_ids.to(device), attention_mask=attention.to(device), use_cache=False).logits
-        logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
-        target = labels[:, 1:].to(device)
-        valid = target != -100
-        nll = -logp.gather(-1, target.clamp(min=0)[..., None])[..., 0]
-        loss = (nll * valid).sum() / total_tokens
+            input_ids_BT[row, : len(ids)] = torch.tensor(ids)
+            attention_BT[row, : len(ids)] = 1
+            learn_BT[row, : len(ids)] = torch.tensor(mask, dtype=torch.bool)
+        inputs = {"input_ids": input_ids_BT.to(device), "attention_mask": attention_BT.to(device), "use_cache": False}
+        predicts_BT = learn_BT[:, 1:].to(device)  # the outputs at positions 0..T-2 that predict a learned token
+        targets_N = input_ids_BT[:, 1:].to(device)[predicts_BT]
+        if head is not None:
+            hidden_BTH = model.get_decoder()(**inputs).last_hidden_state[:, :-1]
+            logp_N, _ = token_logprobs(hidden_BTH[predicts_BT], head.weight, targets_N, torch.ones(len(targets_N), device=device))
+        else:  # an output layer with bias, scaling or soft-capping: the model's own logits
+            logits_BTV = model(**inputs).logits[:, :-1].float()
+            logp_N = torch.log_softmax(logits_BTV[predicts_BT], dim=-1).gather(-1, targets_N[:, None])[:, 0]
+        loss = -logp_N.sum() / total_tokens
         loss.backward()
         loss_sum += float(loss.detach())
     return {"loss": loss_sum, "train_tokens": total_tokens}

@@ -263,3 +263,27 @@ def test_strict_none_without_hashes(text):
 def test_lenient_picks_last_number(nums, words):
     text = " ".join(f"{words} {render(v, f)}" for v, f in nums) + f" {words}"
     assert numbers_equal(extract_lenient(text), str(nums[-1][0]))
+
+
+# ---------------------------------------------------------------- the recipe
+
+
+def test_gsm8k_grpo_runs_its_recipe_and_other_tasks_keep_the_algo_defaults():
+    """`python harness.py task=gsm8k algo=grpo` is the sweep's winner (task.recipe); overrides still win."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    def algo(*overrides):
+        with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+            cfg = compose("config", overrides=list(overrides))
+        return OmegaConf.to_container(cfg, resolve=True)["algo"]
+
+    gsm8k = algo("task=gsm8k", "algo=grpo")
+    assert (gsm8k["warmup"]["steps"], gsm8k["steps"], gsm8k["eval_every"]) == (40, 8, 0)
+    assert gsm8k["warmup"]["lr"] == 2e-4 and gsm8k["warmup"]["split"] == "train"
+    hello = algo("task=hello", "algo=grpo")
+    assert (hello["warmup"]["steps"], hello["steps"], hello["eval_every"]) == (0, 30, 15)
+    overridden = algo("task=gsm8k", "algo=grpo", "algo.warmup.steps=0", "algo.steps=3")
+    assert (overridden["warmup"]["steps"], overridden["steps"]) == (0, 3)

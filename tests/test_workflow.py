@@ -157,6 +157,31 @@ def test_sft_mask_covers_assistant_content_and_end_of_turn(tiny_model_cfg):
     assert policy.tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "I am Lightning.<|im_end|>Lightning.<|im_end|>"
 
 
+def test_sft_loss_through_the_fused_head_equals_the_full_logits_nll(tiny_model_cfg, monkeypatch):
+    """The SFT loss and its gradients, computed only at assistant positions through the fused
+    head, are the plain masked NLL of the model's full logits (the path for other output layers)."""
+    import agl.grpo
+    from agl.sft import sft_loss_and_backward
+
+    policy = load_policy(tiny_model_cfg, "cpu")
+    chats = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+             for q, a in [("Who are you?", "I am Lightning."), ("Name?", "Lightning, and a long answer to pad the batch.")]]
+    examples = [render_demonstration(policy, chat) for chat in chats]
+
+    def loss_and_grads():
+        policy.model.zero_grad(set_to_none=True)
+        stats = sft_loss_and_backward(policy, examples, micro_batch_size=2)
+        return stats, [p.grad.clone() for p in policy.trainable_parameters()]
+
+    fused, fused_grads = loss_and_grads()
+    monkeypatch.setattr(agl.grpo, "fused_head", lambda policy: None)
+    full, full_grads = loss_and_grads()
+    assert fused["train_tokens"] == full["train_tokens"] == sum(sum(m) for _, m in examples)
+    assert fused["loss"] == pytest.approx(full["loss"], rel=1e-5)
+    assert all(torch.allclose(a, b, rtol=1e-4, atol=1e-7) for a, b in zip(fused_grads, full_grads))
+    assert any(g.abs().sum() > 0 for g in fused_grads)
+
+
 async def test_sft_learns_checkpoints_and_its_adapter_is_picked_up_by_later_runs(tmp_path):
     cfg = compose_cfg(TINY + ["task=hello", "task.eval_size=2", "algo=sft", "algo.steps=4", "algo.batch_size=4", "algo.micro_batch_size=2", "algo.lr=1e-2"])
     async with Runtime(cfg, tmp_path) as rt:
