@@ -16,23 +16,30 @@ import agl
 SYSTEM = "You are playing a guessing game. I am thinking of a whole number from 1 to 100. Reply with a single number as your guess."
 
 
+FIRST = "Make your first guess."
+
+
+def feedback(guess: int, secret: int) -> str:
+    return "Too low. Guess again." if guess < secret else "Too high. Guess again."
+
+
 def guess_number_agent(task: dict, llm: agl.LLM, prompt_template: str = SYSTEM, max_turns: int = 6, **_: object) -> float:
     client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key)
     secret = task["secret"]
-    messages = [{"role": "system", "content": prompt_template}, {"role": "user", "content": "Make your first guess."}]
+    messages = [{"role": "system", "content": prompt_template}, {"role": "user", "content": FIRST}]
     for turn in range(max_turns):
         reply = client.chat.completions.create(model=llm.model, messages=messages, **llm.sampling_parameters)
         text = reply.choices[0].message.content or ""
         messages.append({"role": "assistant", "content": text})
         match = re.search(r"-?\d+", text)
         if match is None:
-            feedback = "That is not a number. Reply with a single number from 1 to 100."
+            feedback_text = "That is not a number. Reply with a single number from 1 to 100."
         elif int(match.group()) == secret:
             agl.emit_metric("turns", float(turn + 1))
             return 1.0
         else:
-            feedback = "Too low. Guess again." if int(match.group()) < secret else "Too high. Guess again."
-        messages.append({"role": "user", "content": feedback})
+            feedback_text = feedback(int(match.group()), secret)
+        messages.append({"role": "user", "content": feedback_text})
     agl.emit_metric("turns", float(max_turns))
     return 0.0
 
@@ -41,3 +48,24 @@ def load(split: str) -> list[dict]:
     rng = random.Random({"train": 0, "test": 1}.get(split, 2))
     size = 512 if split == "train" else 256  # test: 256 games, so a success rate's 95% interval is about +-6 points
     return [{"id": f"{split}-{i}", "secret": rng.randint(1, 100)} for i in range(size)]
+
+
+def demonstrations(split: str, prompt_template: str = SYSTEM, max_turns: int = 6, **_: object) -> list[list[dict]]:
+    """SFT conversations: binary search on the split's secrets, one bare number per turn, with the
+    agent's own feedback. It finds the secret within 6 turns for 63 of the 100 numbers; a game it
+    does not finish still shows the strategy, so it is kept."""
+    games = []
+    for row in load(split):
+        lo, hi, secret = 1, 100, row["secret"]
+        messages = [{"role": "system", "content": prompt_template}, {"role": "user", "content": FIRST}]
+        for _turn in range(max_turns):
+            guess = (lo + hi) // 2
+            messages.append({"role": "assistant", "content": str(guess)})
+            if guess == secret:
+                break
+            lo, hi = (guess + 1, hi) if guess < secret else (lo, guess - 1)
+            messages.append({"role": "user", "content": feedback(guess, secret)})
+        if messages[-1]["role"] == "user":  # an unfinished game ends on the model's last guess
+            messages.pop()
+        games.append(messages)
+    return games
