@@ -5,10 +5,17 @@ unmaps it on free; smaller ones come from heaps that give pages back only from t
 threshold starts at 128 KiB but, by default, rises to the size of every mmapped block freed
 (up to 32 MiB). So after the first steps a KV-cache tensor of a few MiB, an activation or a
 [64, V] logits block comes from a heap; tensors of ever-changing sizes fragment it, and the
-process keeps the pages. Measured on SmolLM2, 128 GSM8K prompts x 256 greedy tokens through the
-engine at batch 64: peak RSS 6.5 GB and 5.7 GB still resident at the end with the default; with
-the threshold pinned at 1 MiB, 3.7 GB peak and 1.3 GB at the end (bench/memory.py). Pinning it
-(mallopt) also turns the rise off.
+process keeps the pages. Pinning the threshold (mallopt) turns the rise off.
+
+Measured on SmolLM2, 128 GSM8K prompts x 256 greedy tokens through the engine at batch 64, one
+process per setting, back to back (bench/memory.py repeats it alternated):
+  default malloc:          peak RSS 6.4 GB, 5.8 GB still resident at the end, 375 tokens/s
+  pinned at 1 MiB (this):  peak RSS 3.7 GB, 1.3 GB at the end,               291 tokens/s (0.78x)
+  pinned at 4 MiB:         4.2 GB, 1.9 GB, 302 tokens/s; at 16 MiB: 6.3 GB, 4.0 GB, 355 tokens/s
+The price is page faults: every large tensor is fresh mmapped memory the kernel zeroes (system
+time 9 s -> 46 s of that run). The default job's evals at 64 rows peaked at 15 GB without it, so
+the default is the memory-safe setting; ``MALLOC_MMAP_THRESHOLD_`` (glibc's own variable, in
+bytes) overrides it, e.g. 33554432 for speed on a machine with memory to spare.
 
 Left out: other allocators (jemalloc, tcmalloc) need LD_PRELOAD before the process starts;
 non-glibc platforms (macOS, musl) keep their own behaviour: this is a no-op there.
