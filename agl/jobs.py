@@ -156,7 +156,7 @@ def run_job(cfg: DictConfig) -> object:
         cfg = resumed_config(cfg)
         run_dir = Path(cfg.resume)
     else:
-        run_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.run_dir)
+        run_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.get("run_dir") or cfg.get("attach") or ".")
     name = cfg.algo.name
     if name not in JOBS:
         raise ConfigError(f"algo '{name}' has no job; known: {', '.join(sorted(JOBS))}")

@@ -40,6 +40,7 @@ class RunnerProcesses:
         for _ in range(self.n):
             self.procs.append(await asyncio.create_subprocess_exec(
                 sys.executable, str(HARNESS), "algo=runner", f"attach={self.run_dir}", f"runner.n={self.runners_each}",
+                start_new_session=True,  # a Ctrl-C is the job's to handle: it withdraws its entry and they leave
             ))
         self._watcher = asyncio.create_task(self._watch(), name="agl-runner-processes")
 

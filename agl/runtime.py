@@ -38,6 +38,8 @@ class Runtime:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         self.processes_n = cfg.runner.get("processes", 0)  # runs saved before the option existed
+        if self.processes_n and cfg.runner.get("per_process", 1) < 1:
+            raise ConfigError(f"runner.per_process={cfg.runner.per_process}: each runner process needs at least one runner")
         if cfg.runner.n < 1 and self.processes_n < 1:
             raise ConfigError(
                 "runner.n=0 and runner.processes=0: nothing would run the rollouts. Give this job runners "

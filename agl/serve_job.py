@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import signal
+import threading
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -38,7 +39,9 @@ async def run_serve(cfg: DictConfig, run_dir: Path) -> dict:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     async with contextlib.AsyncExitStack() as parts:  # stopped in reverse: route, engine, store
-        for sig in (signal.SIGINT, signal.SIGTERM):  # from now on: a signal while loading ends the job cleanly too
+        # from now on a signal, even while loading, ends the job cleanly; only the main thread gets
+        # signals (under agl.run in a notebook the job runs in a worker thread: interrupt the kernel)
+        for sig in (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ():
             loop.add_signal_handler(sig, stop.set)
             parts.callback(loop.remove_signal_handler, sig)
         store = await parts.enter_async_context(SqliteStore(run_dir / "store.sqlite")) if cfg.algo.record else None

@@ -67,8 +67,8 @@ def sft_loss_and_backward(policy: Any, examples: Sequence[tuple[list[int], list[
     Only the assistant positions reach the vocabulary: with a plain output layer
     (``agl.grpo.fused_head``) the decoder's hidden states there go through the fused log-prob
     head, so no [B, T, V] logits exist. A GSM8K micro-batch of 4 x ~250 tokens used to make
-    ~800 MB of fp32 logits plus as much again for their log-softmax and its gradient, for the
-    ~25% of positions that carry loss.
+    ~200 MB of fp32 logits, as much again for their log-softmax and again for its gradient, for
+    the ~40% of positions that carry loss.
     """
     from agl.grpo import fused_head
     from agl.logprobs import token_logprobs

@@ -89,7 +89,7 @@ class GRPOTrainer:
                 stage = "sft" if self.step < self.warmup_steps else "grpo"
                 if stage == "sft":
                     metrics = await self.warmup.train_step(self.step)
-                    metrics["sft_loss"] = metrics.pop("loss")  # a likelihood, not GRPO's surrogate: plotted apart
+                    metrics["sft_loss"] = metrics.pop("loss")  # a likelihood, not GRPO's surrogate: its own curve
                     optimizer = self.warmup.optimizer
                 else:
                     metrics = await self.train_step()
