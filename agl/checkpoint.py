@@ -84,13 +84,11 @@ async def save_checkpoint(rt: Any, step: int, state: dict, optimizer: torch.opti
     )
 
 
-async def restore_checkpoint(
-    rt: Any, cfg: DictConfig, optimizer: torch.optim.Optimizer | Callable[[dict], torch.optim.Optimizer]
-) -> Checkpoint | None:
+async def restore_checkpoint(rt: Any, cfg: DictConfig, optimizer_for: Callable[[dict], torch.optim.Optimizer]) -> Checkpoint | None:
     """Load the last checkpoint into the policy, optimizer and RNGs; None for a fresh run.
 
-    ``optimizer`` may be a function of the checkpoint's state, for a trainer with stages that
-    each have their own optimizer (GRPO after an SFT warm-up).
+    ``optimizer_for(state)`` names the optimizer that saved it: a trainer with stages has one per
+    stage (GRPO after an SFT warm-up).
 
     A fresh run records its config instead (and starts an empty metrics file: a process killed
     before the first checkpoint may have written a baseline line that is about to be redone);
@@ -103,9 +101,7 @@ async def restore_checkpoint(
         metrics_path(rt.run_dir).write_text("")
         return None
     load_adapter_bytes(rt.policy, checkpoint.blobs["adapter"])
-    if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = optimizer(checkpoint.state)
-    optimizer.load_state_dict(torch.load(io.BytesIO(checkpoint.blobs["optimizer"]), weights_only=False))
+    optimizer_for(checkpoint.state).load_state_dict(torch.load(io.BytesIO(checkpoint.blobs["optimizer"]), weights_only=False))
     rng = pickle.loads(checkpoint.blobs["rng"])
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])

@@ -176,7 +176,7 @@ class SFTTrainer:
         self.step = 0
 
     async def restore(self) -> bool:
-        checkpoint = await restore_checkpoint(self.rt, self.cfg, self.stage.optimizer)
+        checkpoint = await restore_checkpoint(self.rt, self.cfg, lambda state: self.stage.optimizer)
         if checkpoint is None:
             return False
         self.stage.restore_cursor(checkpoint.state["cursor"])
