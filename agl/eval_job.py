@@ -15,9 +15,10 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from agl.errors import ConfigError
-from agl.evaluate import evaluate_rows, fmt, markdown_table, rate_intervals, summarize
+from agl.evaluate import evaluate_rows, rate_intervals, summarize
 from agl.failures import rollout_failures
 from agl.runtime import Runtime
+from agl.tables import fmt, markdown_table
 
 log = logging.getLogger(__name__)
 

@@ -5,15 +5,15 @@ reported when each task is tried k times (a task passes when any try scores >= t
 
 ``evaluate(rt, rows, ...)`` is the one evaluation used by every algorithm: GRPO's and SFT's
 periodic evals, ``algo=eval`` and (through ``evaluate_rows``) ``algo=prompt_search``.
+Statistics live in ``agl.stats``, table formatting in ``agl.tables`` (neither loads torch).
 """
 from __future__ import annotations
 
-import math
-import random
 from collections import defaultdict
 from typing import Any, Sequence
 
 from agl.adapter import final_reward
+from agl.checkpoint import log_baseline
 from agl.failures import check_rollouts
 from agl.stats import is_binary, paired_change, rate_with_interval
 from agl.types import Rollout, RolloutStatus
@@ -38,7 +38,11 @@ async def rollout_scores(store: Any, rollouts: Sequence[Rollout]) -> list[dict]:
 
 
 def summarize(rows: Sequence[dict], k: int = 1, pass_threshold: float = 1.0) -> dict[str, float]:
-    """Means over rollouts (failed rollouts count as reward 0) plus pass@k over tasks."""
+    """Means over rollouts (failed rollouts count as reward 0) plus pass@k over tasks.
+
+    >>> summarize([{"status": "succeeded", "task_id": 1, "reward": 1.0}, {"status": "failed", "task_id": 1}], k=2)
+    {'n': 2.0, 'reward': 0.5, 'failed': 0.5, 'pass@2': 1.0}
+    """
     summary: dict[str, float] = {"n": float(len(rows))}
     if not rows:
         return summary
@@ -86,11 +90,6 @@ def paired_changes(before: Sequence[dict], after: Sequence[dict]) -> dict[str, d
 # ----------------------------------------------------------------------------- running an evaluation
 
 
-def _matches(metadata: dict | None, tag: dict) -> bool:
-    metadata = metadata or {}
-    return all(metadata.get(key) == value for key, value in tag.items())
-
-
 async def evaluate_rows(
     rt: Any,
     rows: Sequence[dict],
@@ -106,7 +105,8 @@ async def evaluate_rows(
 
     ``rt`` is an ``agl.runtime.Runtime``. ``tag`` (e.g. ``{"eval_step": 3}``) goes into every
     rollout's metadata and names this evaluation in the store: when rollouts with that tag
-    already exist (a resumed run), they are reused instead of enqueued again.
+    already exist (a resumed run), they are reused instead of enqueued again. They are found
+    with ``query_rollouts(metadata=tag)``, an index probe for the tags agl uses.
     """
     if k < 1:
         raise ValueError(f"k must be >= 1, got {k}")
@@ -116,7 +116,7 @@ async def evaluate_rows(
         for attempt in range(k):
             inputs.append(row)
             metadata.append({**tag, "task_id": row.get("id"), "try": attempt, "sampling": dict(sampling)})
-    existing = [r for r in await rt.store.query_rollouts(status=None) if _matches(r.metadata, tag)]
+    existing = await rt.store.query_rollouts(metadata=tag)
     if len(existing) != len(inputs):
         existing = []  # nothing (or something else) under this tag: enqueue afresh
     rollouts = await rt.run_rollouts(inputs, metadata, mode=mode, resources_id=resources_id, existing=existing, desc=desc)
@@ -140,79 +140,7 @@ async def evaluate(
     return summarize(scores, k=k, pass_threshold=pass_threshold)
 
 
-# ----------------------------------------------------------------------------- statistics and tables
-
-
-def mean_ci(values: Sequence[float], z: float = 1.96) -> tuple[float, float, float]:
-    """(mean, low, high): the normal-approximation 95% interval mean +- z * s / sqrt(n).
-
-    ``s`` is the sample standard deviation (n - 1). With n < 2 the interval is the mean itself.
-    """
-    n = len(values)
-    if n == 0:
-        return float("nan"), float("nan"), float("nan")
-    mean = sum(values) / n
-    if n < 2:
-        return mean, mean, mean
-    var = sum((v - mean) ** 2 for v in values) / (n - 1)
-    half = z * math.sqrt(var / n)
-    return mean, mean - half, mean + half
-
-
-def bootstrap_ci(values: Sequence[float], resamples: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
-    """Percentile bootstrap interval of the mean: resample the values with replacement."""
-    n = len(values)
-    if n == 0:
-        return float("nan"), float("nan")
-    rng = random.Random(seed)
-    means = sorted(sum(rng.choices(values, k=n)) / n for _ in range(resamples))
-    tail = (1 - level) / 2
-    return means[int(tail * (resamples - 1))], means[int(round((1 - tail) * (resamples - 1)))]
-
-
-def fmt(value: Any, digits: int = 4) -> str:
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        return f"{value:.{digits}g}" if abs(value) >= 1e4 or (value and abs(value) < 1e-3) else f"{value:.{digits}f}".rstrip("0").rstrip(".") or "0"
-    return "" if value is None else str(value)
-
-
-# Metrics derived from a 0/1 score by eval_during_training: its Wilson interval, and the paired
-# comparison with the baseline. Tables show them inside the score's own cell, not as columns.
-DERIVED_SUFFIXES = ("_lo", "_hi", "_base", "_gained", "_lost", "_p")
-
-
-def is_derived(row: dict, key: str) -> bool:
-    return any(key.endswith(suffix) and key[: -len(suffix)] in row for suffix in DERIVED_SUFFIXES)
-
-
-def with_interval(row: dict, key: str) -> Any:
-    """``row[key]``, as "rate [lo, hi]" when its interval is in the row too.
-
-    >>> with_interval({"eval/correct": 0.05, "eval/correct_lo": 0.0215, "eval/correct_hi": 0.1118}, "eval/correct")
-    '0.05 [0.0215, 0.1118]'
-    """
-    value = row.get(key)
-    if value is None or f"{key}_lo" not in row:
-        return value
-    return f"{fmt(value)} [{fmt(row[key + '_lo'])}, {fmt(row[key + '_hi'])}]"
-
-
-def vs_base(row: dict, key: str) -> str | None:
-    """The paired comparison with the baseline in ``row``, e.g. "0.01 -> 0.05 (+6 -2, p=0.29)"."""
-    if f"{key}_p" not in row:
-        return None
-    return (f"{fmt(row[key + '_base'])} -> {fmt(row[key])} (+{int(row[key + '_gained'])} -{int(row[key + '_lost'])}, "
-            f"p={fmt(row[key + '_p'])})")
-
-
-def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """A GitHub markdown table; floats shortened by ``fmt``."""
-    cells = [[fmt(v) for v in row] for row in rows]
-    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
-    line = lambda values: "| " + " | ".join(v.ljust(w) for v, w in zip(values, widths)) + " |"  # noqa: E731
-    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *(line(r) for r in cells)])
+# ----------------------------------------------------------------------------- during training
 
 
 async def eval_during_training(rt: Any, cfg: Any, rows: Sequence[dict], step: int, slice_size: int = 0) -> dict[str, float]:
@@ -227,8 +155,6 @@ async def eval_during_training(rt: Any, cfg: Any, rows: Sequence[dict], step: in
     describing that slice, so the curve stays comparable, and ``eval_all/`` describes all of
     ``rows`` (the baseline and final evals on a whole split).
     """
-    from agl.checkpoint import log_baseline  # here: `report=` uses this module without loading torch
-
     if not rows:
         return {}
     scores = await evaluate_rows(
@@ -236,7 +162,7 @@ async def eval_during_training(rt: Any, cfg: Any, rows: Sequence[dict], step: in
         sampling={"temperature": 0.0, "max_tokens": cfg.algo.max_tokens}, tag={"eval_step": step}, desc=f"eval@{step}",
     )
     baseline = None
-    if step != 0 and (rollouts := [r for r in await rt.store.query_rollouts() if _matches(r.metadata, {"eval_step": 0})]):
+    if step != 0 and (rollouts := await rt.store.query_rollouts(metadata={"eval_step": 0})):
         baseline = await rollout_scores(rt.store, rollouts)
     sliced = slice_size and len(scores) > slice_size
     metrics = eval_metrics("eval", scores[:slice_size] if sliced else scores, baseline)

@@ -23,8 +23,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from agl.errors import ConfigError
 from agl.eval_job import sampling_of, split_rows
-from agl.evaluate import bootstrap_ci, evaluate_rows, markdown_table, mean_ci, summarize
+from agl.evaluate import evaluate_rows, summarize
 from agl.runtime import Runtime
+from agl.stats import bootstrap_ci, mean_ci
+from agl.tables import markdown_table
 
 
 def rank(scores_by_candidate: dict[str, list[dict]], *, resamples: int = 2000, seed: int = 0) -> list[dict]:

@@ -1,7 +1,8 @@
 """``python harness.py report=<run dir or sweep dir>``: what happened in a run, from its files alone.
 
-A run dir's ``store.sqlite`` is opened read-only (``SqliteStore.open_readonly``, safe next to
-a live run) and its ``metrics.jsonl`` read; no model is loaded. Printed (and written to
+A run dir's ``store.sqlite`` is read through one read-only connection in one snapshot (safe
+next to a live run; its views, see agl/store/schema.sql) and its ``metrics.jsonl`` read; no
+model is loaded. Printed (and written to
 ``report.md``): the run summary, the best step, reward and accuracy by step, the slowest
 rollouts, failure counts by error; ``curves.png`` is redrawn. A sweep dir gets the sweep
 summary instead (``agl.sweep.write_sweep_summary``).
@@ -12,16 +13,15 @@ counted apart from retries, and listed apart from the agent's errors.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 from agl.errors import ConfigError
-from agl.evaluate import fmt, is_derived, markdown_table, vs_base, with_interval
 from agl.plots import draw_panels, read_metrics
+from agl.store import db
 from agl.sweep import effective_status, is_sweep_dir, read_status, write_sweep_summary
+from agl.tables import fmt, is_derived, markdown_table, vs_base, with_interval
 
 SLOWEST = 5
 SAMPLES = 5  # eval tasks whose replies before and after training report.md quotes
@@ -44,7 +44,7 @@ def report(target: str | Path) -> dict:
 
 
 def report_run(run_dir: Path, echo: bool = True) -> dict:
-    data = asyncio.run(_read_store(run_dir / "store.sqlite"))
+    data = _read_store(run_dir / "store.sqlite")
     rows = read_metrics(run_dir / "metrics.jsonl")
     if not rows and data["metrics"]:  # no metrics.jsonl (e.g. deleted): the store has them too
         rows = [{"step": step, **values} for step, values in sorted(data["metrics"].items())]
@@ -69,14 +69,15 @@ def report_run(run_dir: Path, echo: bool = True) -> dict:
     return {"run_dir": str(run_dir), "sections": [t for t, _ in sections], "data": {k: v for k, v in data.items() if k != "metrics"}}
 
 
-async def _read_store(path: Path) -> dict:
-    from agl.store import SqliteStore
-
-    store = SqliteStore.open_readonly(path)
+def _read_store(path: Path) -> dict:
+    """What the report shows from the store: one snapshot, through a read-only connection
+    (no store session is opened, nothing is written)."""
+    conn = db.connect(path, readonly=True, busy_timeout=30.0, synchronous="NORMAL")
     try:
-        def read(conn: Any) -> dict:
-            q = lambda sql: [tuple(r) for r in conn.execute(sql).fetchall()]  # noqa: E731
-            return {
+        db.check_schema(conn)
+        q = lambda sql: [tuple(r) for r in conn.execute(sql).fetchall()]  # noqa: E731
+        with db.read_transaction(conn):
+            data = {
                 "rollouts_by_status": q("SELECT status, count(*) FROM rollouts GROUP BY status ORDER BY count(*) DESC"),
                 "rollouts_by_mode": q("SELECT coalesce(mode, '-'), count(*) FROM rollouts GROUP BY mode ORDER BY mode"),
                 # all attempts; retries = charged attempts beyond each rollout's first; harness-ended ones
@@ -116,14 +117,15 @@ async def _read_store(path: Path) -> dict:
                     "WHERE at IS NOT NULL ORDER BY r.seq, s.sequence_id"
                 ),
             }
-
-        data = await store._read(read)  # one consistent snapshot of the views
-        data["checkpoints"] = [(c.step, c.policy_version) for c in await store.list_checkpoints()]
-        data["metrics"] = await store.query_metrics()
-        data["config"] = await store.get_run_info("config")
+            data["checkpoints"] = q("SELECT step, policy_version FROM checkpoints ORDER BY step")
+            data["metrics"] = {}
+            for row in conn.execute("SELECT step, name, value FROM metrics ORDER BY step, name"):
+                data["metrics"].setdefault(row["step"], {})[row["name"]] = row["value"]
+            config = conn.execute("SELECT value FROM run_info WHERE key = 'config'").fetchone()
+            data["config"] = None if config is None else json.loads(config["value"])
         return data
     finally:
-        await store.close()
+        conn.close()
 
 
 def _run_section(run_dir: Path, data: dict, rows: list[dict]) -> str:

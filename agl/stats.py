@@ -1,4 +1,5 @@
-"""Statistics for pass/fail scores: an interval for a rate, and a paired test of two policies.
+"""Statistics for pass/fail scores: an interval for a rate, and a paired test of two policies;
+and intervals of a mean (``mean_ci``, ``bootstrap_ci``: prompt search's ranking).
 
 A greedy eval scores each task 0 or 1 (``correct``, ``format``, ...). Its rate gets a Wilson
 score interval, which stays inside [0, 1] and is honest at rates near 0 or 1 and small n,
@@ -9,6 +10,7 @@ carry information, and under "no change" each disagreement is a fair coin.
 from __future__ import annotations
 
 import math
+import random
 from typing import Any, Mapping, Sequence
 
 Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
@@ -84,3 +86,30 @@ def paired_change(before: Mapping[Any, float], after: Mapping[Any, float]) -> di
         "lost": lost,
         "p": mcnemar_exact(gained, lost),
     }
+
+
+def mean_ci(values: Sequence[float], z: float = 1.96) -> tuple[float, float, float]:
+    """(mean, low, high): the normal-approximation 95% interval mean +- z * s / sqrt(n).
+
+    ``s`` is the sample standard deviation (n - 1). With n < 2 the interval is the mean itself.
+    """
+    n = len(values)
+    if n == 0:
+        return float("nan"), float("nan"), float("nan")
+    mean = sum(values) / n
+    if n < 2:
+        return mean, mean, mean
+    var = sum((v - mean) ** 2 for v in values) / (n - 1)
+    half = z * math.sqrt(var / n)
+    return mean, mean - half, mean + half
+
+
+def bootstrap_ci(values: Sequence[float], resamples: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean: resample the values with replacement."""
+    n = len(values)
+    if n == 0:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    means = sorted(sum(rng.choices(values, k=n)) / n for _ in range(resamples))
+    tail = (1 - level) / 2
+    return means[int(tail * (resamples - 1))], means[int(round((1 - tail) * (resamples - 1)))]

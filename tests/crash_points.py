@@ -48,9 +48,9 @@ def _install(point: str) -> None:
 
         _die_after(GRPOUpdate, "step")
     elif point == "checkpoint":
-        from agl.store import SqliteStore
+        from agl.store.runstate import RunState
 
-        _die_after(SqliteStore, "_save_checkpoint_tx")  # inside the transaction: before COMMIT
+        _die_after(RunState, "_save_checkpoint_tx")  # inside the transaction: before COMMIT
     else:
         raise ValueError(f"AGL_TEST_KILL={point!r}: expected rollout, update or checkpoint")
 

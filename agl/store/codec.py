@@ -7,6 +7,7 @@ Kept apart from the store logic so that the column lists (which must match
   `to_jsonable_python` so models, dates, enums and numpy scalars work.
   Non-finite floats (NaN, inf) are written as null: SQLite's JSON functions
   reject them, and one NaN reward would otherwise break every view.
+* Rows are read by column name (`sqlite3.Row`, see db.py), never by position.
 * Token ids are packed as little-endian int32 and logprobs as little-endian
   float32 with the `array` module: 4 bytes a token, one BLOB per array, and
   `length(blob)/4` is the token count in plain SQL.
@@ -18,7 +19,7 @@ import json
 import math
 import sys
 from array import array
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from pydantic_core import to_jsonable_python
 
@@ -106,44 +107,38 @@ ROLLOUT_COLUMNS = (
     "rollout_id, input, mode, resources_id, status, config, metadata, start_time, end_time, "
     "num_attempts, last_span_seq, queue_seq"
 )
-"""Columns read for a rollout, in the order `RolloutRow` indexes them."""
+"""Columns read for a rollout (`RolloutRow`)."""
+ROLLOUT_FIELDS = tuple(ROLLOUT_COLUMNS.split(", "))
 
 
 class RolloutRow:
-    """A raw `rollouts` row (ROLLOUT_COLUMNS order) with the fields the rules need."""
+    """A `rollouts` row, read by column name: a `sqlite3.Row` of ROLLOUT_COLUMNS, or any
+    mapping with the columns the status rules read (rollout_id, status, config,
+    num_attempts), such as the row `add_span` selects."""
 
-    __slots__ = ("raw", "_config")
+    __slots__ = ("row", "_config")
 
-    def __init__(self, raw: tuple[Any, ...]):
-        self.raw = raw
+    def __init__(self, row: Mapping[str, Any]):
+        self.row = row
         self._config: Optional[RolloutConfig] = None
 
     @property
     def rollout_id(self) -> str:
-        return self.raw[0]
+        return self.row["rollout_id"]
 
     @property
     def status(self) -> str:
-        return self.raw[4]
+        return self.row["status"]
 
     @property
     def config(self) -> RolloutConfig:
         if self._config is None:
-            self._config = RolloutConfig.model_validate_json(self.raw[5])
+            self._config = RolloutConfig.model_validate_json(self.row["config"])
         return self._config
 
     @property
     def num_attempts(self) -> int:
-        return self.raw[9]
-
-    @property
-    def last_span_seq(self) -> int:
-        return self.raw[10]
-
-    @classmethod
-    def partial(cls, rollout_id: str, status: str, config_json: str, num_attempts: int) -> "RolloutRow":
-        """A row with only the fields status propagation reads (saves a re-select)."""
-        return cls((rollout_id, None, None, None, status, config_json, None, None, None, num_attempts, None, None))
+        return self.row["num_attempts"]
 
     def to_model(self, **override: Any) -> Rollout:
         return Rollout.model_validate(self._fields(override))
@@ -154,17 +149,17 @@ class RolloutRow:
         return AttemptedRollout.model_validate(fields)
 
     def _fields(self, override: dict[str, Any]) -> dict[str, Any]:
-        r = self.raw
+        r = self.row
         fields = {
-            "rollout_id": r[0],
-            "input": loads_or_none(r[1]),
-            "mode": r[2],
-            "resources_id": r[3],
-            "status": r[4],
-            "config": json.loads(r[5]),
-            "metadata": loads_or_none(r[6]),
-            "start_time": r[7],
-            "end_time": r[8],
+            "rollout_id": r["rollout_id"],
+            "input": loads_or_none(r["input"]),
+            "mode": r["mode"],
+            "resources_id": r["resources_id"],
+            "status": r["status"],
+            "config": self.config,  # parsed once per row (the rules may have read it already)
+            "metadata": loads_or_none(r["metadata"]),
+            "start_time": r["start_time"],
+            "end_time": r["end_time"],
         }
         fields.update(override)
         return fields
@@ -177,22 +172,20 @@ ATTEMPT_COLUMNS = (
     "last_heartbeat_time, metadata, session_id, timeout_at, deadline"
 )
 """Columns read for an attempt; the last two let a read-only store apply R6 in memory (overdue.py)."""
-ATTEMPT_TIMEOUT_AT = 10
-ATTEMPT_DEADLINE = 11
 
 
-def attempt_from_row(r: Sequence[Any]) -> Attempt:
+def attempt_from_row(r: Mapping[str, Any]) -> Attempt:
     return Attempt(
-        rollout_id=r[0],
-        attempt_id=r[1],
-        sequence_id=r[2],
-        status=r[3],
-        start_time=r[4],
-        end_time=r[5],
-        worker_id=r[6],
-        last_heartbeat_time=r[7],
-        metadata=loads_or_none(r[8]),
-        session_id=r[9],
+        rollout_id=r["rollout_id"],
+        attempt_id=r["attempt_id"],
+        sequence_id=r["sequence_id"],
+        status=r["status"],
+        start_time=r["start_time"],
+        end_time=r["end_time"],
+        worker_id=r["worker_id"],
+        last_heartbeat_time=r["last_heartbeat_time"],
+        metadata=loads_or_none(r["metadata"]),
+        session_id=r["session_id"],
     )
 
 
@@ -223,19 +216,19 @@ def span_params(span: Span, sequence_id: int) -> tuple[Any, ...]:
     )
 
 
-def span_from_row(r: Sequence[Any]) -> Span:
+def span_from_row(r: Mapping[str, Any]) -> Span:
     return Span(
-        rollout_id=r[0],
-        attempt_id=r[1],
-        sequence_id=r[2],
-        span_id=r[3],
-        trace_id=r[4],
-        parent_id=r[5],
-        name=r[6],
-        start_time=r[7],
-        end_time=r[8],
-        attributes=json.loads(r[9]),
-        prompt_token_ids=unpack_token_ids(r[10]),
-        response_token_ids=unpack_token_ids(r[11]),
-        response_logprobs=unpack_logprobs(r[12]),
+        rollout_id=r["rollout_id"],
+        attempt_id=r["attempt_id"],
+        sequence_id=r["sequence_id"],
+        span_id=r["span_id"],
+        trace_id=r["trace_id"],
+        parent_id=r["parent_id"],
+        name=r["name"],
+        start_time=r["start_time"],
+        end_time=r["end_time"],
+        attributes=json.loads(r["attributes"]),
+        prompt_token_ids=unpack_token_ids(r["prompt_token_ids"]),
+        response_token_ids=unpack_token_ids(r["response_token_ids"]),
+        response_logprobs=unpack_logprobs(r["response_logprobs"]),
     )

@@ -1,5 +1,6 @@
-"""SQLite plumbing: opening the file, installing the schema, and the one thread
-that owns the connection.
+"""SQLite plumbing: opening the file, installing the schema, the one thread that
+owns the connection, and `Db`, through which every part of the store reads and
+writes (store.py: rollouts, attempts, spans; watch.py; resources.py; runstate.py).
 
 Why a single dedicated thread: sqlite3 calls block (disk I/O, waiting for
 another process's write lock), so they must not run on the event loop. One
@@ -17,6 +18,8 @@ Durability settings (see docs/store.md for the argument):
   only an OS crash or power cut may drop the last commits (never corrupting the
   file). FULL would fsync every commit, i.e. cap the store at disk-flush speed.
   `save_checkpoint` commits with a flush regardless (see runstate.py).
+
+Rows come back as `sqlite3.Row`: read by column name, never by position.
 """
 
 from __future__ import annotations
@@ -29,12 +32,19 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Optional, TypeVar
+
+from agl.store import txn
+from agl.store.overdue import NOTHING_OVERDUE, OverdueView
+from agl.types import Attempt
 
 SCHEMA_VERSION = 2
-# Version 1 differs only in its views, which are derived: installing the schema
-# recreates them, and a read-only reader can use version-1 views as they are
-# (their data holds no harness-ended notes, which only version-2 code writes).
+# The version counts changes of the tables only. Views and indexes are derived:
+# a writable open (re)creates what a file lacks, so an older file gains a new index
+# (built from its rows) without an upgrade step, and older code still reads a file
+# that has it. Version 1 differs only in its views: installing the schema recreates
+# them, and a read-only reader can use version-1 views as they are (their data
+# holds no harness-ended notes, which only version-2 code writes).
 UPGRADABLE_VERSIONS = (0, 1)
 READABLE_VERSIONS = (1, SCHEMA_VERSION)
 Synchronous = Literal["NORMAL", "FULL"]
@@ -66,6 +76,7 @@ def connect(path: Path, *, readonly: bool, busy_timeout: float, synchronous: Syn
         conn.execute(f"PRAGMA synchronous={synchronous}")
         # Checkpoint blobs make big transactions; do not keep a huge WAL around after them.
         conn.execute(f"PRAGMA journal_size_limit={64 * 1024 * 1024}")
+    conn.row_factory = sqlite3.Row
     conn.execute("PRAGMA foreign_keys=ON")
     conn.execute("PRAGMA cache_size=-32000")  # 32 MB page cache: the hot indexes stay in memory
     conn.execute("PRAGMA temp_store=MEMORY")
@@ -73,18 +84,28 @@ def connect(path: Path, *, readonly: bool, busy_timeout: float, synchronous: Syn
 
 
 def install_schema(conn: sqlite3.Connection) -> None:
-    """Create the tables if missing and (re)create the views, atomically: a new file
-    or an upgrade of an older version (two processes may race here; both end the same)."""
+    """Create the tables and indexes if missing and (re)create the views, atomically: a
+    new file, an upgrade of an older version, or a current file that lacks an index
+    added since it was written (two processes may race here; both end the same)."""
     version = conn.execute("PRAGMA user_version").fetchone()[0]
+    schema = schema_sql()
     if version == SCHEMA_VERSION:
+        if not missing_indexes(conn, schema):
+            return
+        conn.executescript("BEGIN IMMEDIATE;\n" + schema + "\nCOMMIT;")  # IF NOT EXISTS: only the missing
         return
     if version not in UPGRADABLE_VERSIONS:
         raise RuntimeError(f"store schema version {version} is not supported (expected {SCHEMA_VERSION})")
-    schema = schema_sql()
     drop_views = "".join(f"DROP VIEW IF EXISTS {name};\n" for name in re.findall(r"CREATE VIEW IF NOT EXISTS (\w+)", schema))
     conn.executescript(
         "BEGIN IMMEDIATE;\n" + drop_views + schema + f"\nPRAGMA user_version={SCHEMA_VERSION};\nCOMMIT;"
     )
+
+
+def missing_indexes(conn: sqlite3.Connection, schema: str) -> list[str]:
+    """The schema's indexes the file does not have (yet)."""
+    have = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+    return [name for name in re.findall(r"CREATE INDEX IF NOT EXISTS (\w+)", schema) if name not in have]
 
 
 def check_schema(conn: sqlite3.Connection) -> None:
@@ -144,3 +165,157 @@ class Worker:
 
     def shutdown(self) -> None:
         self._executor.shutdown(wait=True)
+
+
+# -- building statements -------------------------------------------------------
+
+
+class Where:
+    """Optional filters of a query, ANDed: `str(where)` is "" or " WHERE ...", `where.params`
+    their parameters in order."""
+
+    __slots__ = ("clauses", "params")
+
+    def __init__(self) -> None:
+        self.clauses: list[str] = []
+        self.params: list[Any] = []
+
+    def add(self, clause: str, *params: Any) -> None:
+        self.clauses.append(clause)
+        self.params.extend(params)
+
+    def __str__(self) -> str:
+        return " WHERE " + " AND ".join(self.clauses) if self.clauses else ""
+
+
+def update(
+    conn: sqlite3.Connection, table: str, values: Mapping[str, Any], key: tuple[str, Any], returning: str = ""
+) -> Optional[sqlite3.Row]:
+    """`UPDATE table SET <each of values> WHERE <key column> = ?`: the one place a SET clause
+    is built from the fields a caller gives. Column names come from code, never from data.
+    Returns the RETURNING row (None without `returning`, or if no row matched); nothing
+    to set is a no-op."""
+    if not values:
+        return None
+    column, value = key
+    sql = f"UPDATE {table} SET {', '.join(f'{name} = ?' for name in values)} WHERE {column} = ?"
+    if returning:
+        sql += f" RETURNING {returning}"
+    return conn.execute(sql, (*values.values(), value)).fetchone()
+
+
+# -- the store's access to its file --------------------------------------------
+
+
+class ReadOnlyStoreError(RuntimeError):
+    """A write was attempted on a store opened with `readonly=True`."""
+
+
+class Db:
+    """The store's file as every part of the store uses it: the connection, owned by one
+    worker thread, and one hop to that thread per operation.
+
+    * `write(fn, *args)` runs `fn(tx, *args)` in one `BEGIN IMMEDIATE` transaction; after
+      COMMIT (never before) the rollouts it made terminal go to `on_commit`, which wakes
+      their waiters (watch.py).
+    * `read(fn, *args)` runs `fn(conn, *args)` in one snapshot, after applying due
+      deadlines if the store is writable (R6), so no read shows an overdue attempt as
+      active; a read-only store shows R6 in memory instead (`overdue_view`).
+    """
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        readonly: bool,
+        clock: Callable[[], float],
+        busy_timeout: float,
+        synchronous: Synchronous,
+        on_commit: Callable[[Iterable[str]], None],
+    ):
+        self.path = path
+        self.readonly = readonly
+        self.clock = clock
+        self.busy_timeout = busy_timeout
+        self.synchronous = synchronous
+        self.on_commit = on_commit
+        self.conn: Any = None
+        self.session_id: Optional[str] = None  # set once the store's session is registered
+        self.closed = False
+        self.worker = Worker("agl-store")
+
+    def connect(self) -> None:
+        """Open the file, with its schema installed (writable) or checked (read-only)."""
+        self.conn = connect(self.path, readonly=self.readonly, busy_timeout=self.busy_timeout, synchronous=self.synchronous)
+        if self.readonly:
+            check_schema(self.conn)
+        else:
+            install_schema(self.conn)
+
+    def close_connection(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"store {self.path} is closed")
+
+    def check_writable(self) -> None:
+        self.check_open()
+        if self.readonly:
+            raise ReadOnlyStoreError(f"store {self.path} was opened read-only")
+
+    async def run(self, fn: Callable[..., T], *args: Any, writes: bool = False) -> T:
+        """Run `fn(*args)` on the worker thread as it is (it makes its own transactions)."""
+        if writes:
+            self.check_writable()
+        else:
+            self.check_open()
+        return await self.worker.run(fn, *args)
+
+    def write_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        tx = txn.Tx(self.conn, self.clock(), self.session_id)
+        with write_transaction(self.conn):
+            result = fn(tx, *args)
+        if tx.finished:
+            self.on_commit(tx.finished)
+        return result
+
+    def durable_write_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        # synchronous=FULL for this one COMMIT: it is fsynced (with all before it).
+        self.conn.execute("PRAGMA synchronous=FULL")
+        try:
+            return self.write_sync(fn, *args)
+        finally:
+            self.conn.execute(f"PRAGMA synchronous={self.synchronous}")
+
+    async def write(self, fn: Callable[..., T], *args: Any, durable: bool = False) -> T:
+        """Run `fn(tx, *args)` in one write transaction on the worker thread;
+        `durable=True` flushes its commit to disk whatever `synchronous` is."""
+        self.check_writable()
+        return await self.worker.run(self.durable_write_sync if durable else self.write_sync, fn, *args)
+
+    def read_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        if not self.readonly:
+            self.expire_due()
+        with read_transaction(self.conn):
+            return fn(self.conn, *args)
+
+    async def read(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run `fn(conn, *args)` in one read transaction (a consistent snapshot)."""
+        self.check_open()
+        return await self.worker.run(self.read_sync, fn, *args)
+
+    def expire_due(self) -> list[Attempt]:
+        """R6 now: one probe of the deadline index when nothing is due."""
+        if not txn.has_due_deadline(self.conn, self.clock()):
+            return []
+        return self.write_sync(txn.expire_due_attempts)
+
+    def overdue_view(self, conn: sqlite3.Connection, rollout_ids: Optional[Iterable[str]] = None) -> OverdueView:
+        """How reads must show overdue attempts (and the rollouts `rollout_ids`, None: all):
+        a writable store has expired them already, a read-only one shows R6 in memory."""
+        if not self.readonly:
+            return NOTHING_OVERDUE
+        return OverdueView.at(conn, self.clock(), None if rollout_ids is None else list(rollout_ids))

@@ -19,10 +19,10 @@ there are none.
 from __future__ import annotations
 
 import sqlite3
-from typing import Any, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 from agl.store import rules, txn
-from agl.store.codec import ATTEMPT_DEADLINE, ATTEMPT_TIMEOUT_AT, RolloutRow, attempt_from_row, dumps
+from agl.store.codec import RolloutRow, attempt_from_row, dumps
 from agl.types import Attempt, Rollout, RolloutConfig
 
 
@@ -66,13 +66,13 @@ class OverdueView:
     def rollout(self, row: RolloutRow) -> Rollout:
         return row.to_model(**self.rollouts.get(row.rollout_id, {}))
 
-    def attempt(self, raw: Sequence[Any]) -> Attempt:
+    def attempt(self, row: Mapping[str, Any]) -> Attempt:
         """An attempt from a row of ATTEMPT_COLUMNS."""
-        attempt = attempt_from_row(raw)
-        deadline = raw[ATTEMPT_DEADLINE]
+        attempt = attempt_from_row(row)
+        deadline = row["deadline"]
         if self.now is None or deadline is None or deadline > self.now:
             return attempt
-        status = rules.expired_status(raw[ATTEMPT_TIMEOUT_AT], self.now)
+        status = rules.expired_status(row["timeout_at"], self.now)
         return attempt.model_copy(update={"status": status, "end_time": self.now})
 
 

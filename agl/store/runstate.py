@@ -1,4 +1,5 @@
-"""Run state for exact resume: run info, per-step metrics and checkpoints.
+"""Run state for exact resume: run info, per-step metrics and checkpoints, a part
+of `SqliteStore` (which forwards its public methods here).
 
 Exact resume needs, in one consistent snapshot: the step, the policy version,
 the LoRA adapter weights and optimizer state, the data-loader cursor, the RNG
@@ -28,13 +29,14 @@ from __future__ import annotations
 
 import json
 from numbers import Number
-from typing import Any, Callable, Mapping, Optional, TypeVar
+from typing import Any, Mapping, Optional
 
 from agl.store.codec import dumps
+from agl.store.db import Db, Where
 from agl.store.txn import Tx
 from agl.types import Checkpoint
 
-T = TypeVar("T")
+_CHECKPOINT_COLUMNS = "step, policy_version, state, created_time, blobs_pruned"
 
 
 def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -55,23 +57,14 @@ def flatten_metrics(metrics: Mapping[str, Any], prefix: str = "") -> dict[str, A
     return flat
 
 
-class RunStateMixin:
-    """Run-state methods of `SqliteStore` (kept here: one job per module)."""
-
-    _keep_checkpoints: int
-
-    # Provided by SqliteStore.
-    async def _write(self, fn: Callable[..., T], *args: Any, durable: bool = False) -> T:  # pragma: no cover
-        raise NotImplementedError
-
-    async def _read(self, fn: Callable[..., T], *args: Any) -> T:  # pragma: no cover - interface
-        raise NotImplementedError
+class RunState:
+    def __init__(self, db: Db, keep_checkpoints: int):
+        self.db = db
+        self.keep_checkpoints = keep_checkpoints
 
     # -- run info ----------------------------------------------------------------
 
     async def set_run_info(self, key: str, value: Any) -> None:
-        """Store a JSON-able value under `key` (e.g. "config", "git_commit")."""
-
         def write(tx: Tx) -> None:
             tx.conn.execute(
                 "INSERT INTO run_info (key, value, update_time) VALUES (?, ?, ?) "
@@ -79,20 +72,20 @@ class RunStateMixin:
                 (key, dumps(value), tx.now),
             )
 
-        await self._write(write)
+        await self.db.write(write)
 
-    async def get_run_info(self, key: str, default: Any = None) -> Any:
+    async def get_run_info(self, key: str, default: Any) -> Any:
         def read(conn: Any) -> Any:
-            raw = conn.execute("SELECT value FROM run_info WHERE key = ?", (key,)).fetchone()
-            return default if raw is None else json.loads(raw[0])
+            row = conn.execute("SELECT value FROM run_info WHERE key = ?", (key,)).fetchone()
+            return default if row is None else json.loads(row["value"])
 
-        return await self._read(read)
+        return await self.db.read(read)
 
     async def get_all_run_info(self) -> dict[str, Any]:
         def read(conn: Any) -> dict[str, Any]:
             return {k: json.loads(v) for k, v in conn.execute("SELECT key, value FROM run_info ORDER BY key")}
 
-        return await self._read(read)
+        return await self.db.read(read)
 
     # -- metrics -----------------------------------------------------------------
 
@@ -105,32 +98,21 @@ class RunStateMixin:
         )
 
     async def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
-        """Record metrics of a step (nested dicts flattened with '/'); a name logged
-        again for the same step replaces the old value."""
-        await self._write(self._log_metrics_tx, int(step), dict(metrics))
+        await self.db.write(self._log_metrics_tx, int(step), dict(metrics))
 
-    async def query_metrics(
-        self, step: Optional[int] = None, names: Optional[list[str]] = None
-    ) -> dict[int, dict[str, Any]]:
-        """{step: {name: value}} in step order, optionally for one step / some names."""
-
+    async def query_metrics(self, step: Optional[int], names: Optional[list[str]]) -> dict[int, dict[str, Any]]:
         def read(conn: Any) -> dict[int, dict[str, Any]]:
-            where, params = [], []
+            where = Where()
             if step is not None:
-                where.append("step = ?")
-                params.append(step)
+                where.add("step = ?", step)
             if names is not None:
-                where.append("name IN (SELECT value FROM json_each(?))")
-                params.append(dumps(names))
-            sql = "SELECT step, name, value FROM metrics"
-            if where:
-                sql += " WHERE " + " AND ".join(where)
+                where.add("name IN (SELECT value FROM json_each(?))", dumps(names))
             out: dict[int, dict[str, Any]] = {}
-            for s, name, value in conn.execute(sql + " ORDER BY step, name", params):
+            for s, name, value in conn.execute(f"SELECT step, name, value FROM metrics{where} ORDER BY step, name", where.params):
                 out.setdefault(s, {})[name] = value
             return out
 
-        return await self._read(read)
+        return await self.db.read(read)
 
     # -- checkpoints -------------------------------------------------------------
 
@@ -153,10 +135,10 @@ class RunStateMixin:
             self._log_metrics_tx(tx, step, metrics)
         # Keep the blobs of the newest `keep_checkpoints` checkpoints only.
         old = [
-            r[0]
-            for r in conn.execute(
+            row["step"]
+            for row in conn.execute(
                 "SELECT step FROM checkpoints WHERE blobs_pruned = 0 ORDER BY step DESC LIMIT -1 OFFSET ?",
-                (self._keep_checkpoints,),
+                (self.keep_checkpoints,),
             )
         ]
         for s in old:
@@ -165,19 +147,12 @@ class RunStateMixin:
         return tx.now
 
     async def save_checkpoint(
-        self,
-        step: int,
-        policy_version: int,
-        state: Mapping[str, Any],
-        blobs: Optional[Mapping[str, bytes]] = None,
-        metrics: Optional[Mapping[str, Any]] = None,
+        self, step: int, policy_version: int, state: Mapping[str, Any],
+        blobs: Optional[Mapping[str, bytes]], metrics: Optional[Mapping[str, Any]],
     ) -> Checkpoint:
-        """Atomically save the run state after `step` (replacing a checkpoint of the
-        same step): JSON `state`, binary `blobs` (adapter weights, optimizer state,
-        torch RNG, ...) and, if given, the step's metrics (as `log_metrics`)."""
         state_json = dumps(dict(state))
         blob_map = dict(blobs or {})
-        created = await self._write(
+        created = await self.db.write(
             self._save_checkpoint_tx, int(step), int(policy_version), state_json, blob_map,
             dict(metrics) if metrics else None, durable=True,
         )
@@ -186,42 +161,30 @@ class RunStateMixin:
             metrics=flatten_metrics(metrics or {}), created_time=created,
         )
 
-    async def load_checkpoint(self, step: Optional[int] = None) -> Optional[Checkpoint]:
-        """The checkpoint of `step`, or the latest one (highest step); None if there is
-        none. A checkpoint whose blobs were pruned comes back with `blobs_pruned=True`."""
-
+    async def load_checkpoint(self, step: Optional[int]) -> Optional[Checkpoint]:
         def read(conn: Any) -> Optional[Checkpoint]:
             if step is None:
-                raw = conn.execute(
-                    "SELECT step, policy_version, state, created_time, blobs_pruned FROM checkpoints "
-                    "ORDER BY step DESC LIMIT 1"
-                ).fetchone()
+                row = conn.execute(f"SELECT {_CHECKPOINT_COLUMNS} FROM checkpoints ORDER BY step DESC LIMIT 1").fetchone()
             else:
-                raw = conn.execute(
-                    "SELECT step, policy_version, state, created_time, blobs_pruned FROM checkpoints WHERE step = ?",
-                    (step,),
-                ).fetchone()
-            if raw is None:
+                row = conn.execute(f"SELECT {_CHECKPOINT_COLUMNS} FROM checkpoints WHERE step = ?", (step,)).fetchone()
+            if row is None:
                 return None
-            s = raw[0]
+            s = row["step"]
             blobs = {n: d for n, d in conn.execute("SELECT name, data FROM checkpoint_blobs WHERE step = ?", (s,))}
             metrics = {n: v for n, v in conn.execute("SELECT name, value FROM metrics WHERE step = ?", (s,))}
-            return Checkpoint(
-                step=s, policy_version=raw[1], state=json.loads(raw[2]), blobs=blobs, metrics=metrics,
-                created_time=raw[3], blobs_pruned=bool(raw[4]),
-            )
+            return _checkpoint(row, blobs=blobs, metrics=metrics)
 
-        return await self._read(read)
+        return await self.db.read(read)
 
     async def list_checkpoints(self) -> list[Checkpoint]:
-        """All checkpoints, oldest step first, without their blobs (cheap)."""
-
         def read(conn: Any) -> list[Checkpoint]:
-            return [
-                Checkpoint(step=s, policy_version=pv, state=json.loads(st), created_time=ct, blobs_pruned=bool(bp))
-                for s, pv, st, ct, bp in conn.execute(
-                    "SELECT step, policy_version, state, created_time, blobs_pruned FROM checkpoints ORDER BY step"
-                )
-            ]
+            return [_checkpoint(row) for row in conn.execute(f"SELECT {_CHECKPOINT_COLUMNS} FROM checkpoints ORDER BY step")]
 
-        return await self._read(read)
+        return await self.db.read(read)
+
+
+def _checkpoint(row: Mapping[str, Any], **extra: Any) -> Checkpoint:
+    return Checkpoint(
+        step=row["step"], policy_version=row["policy_version"], state=json.loads(row["state"]),
+        created_time=row["created_time"], blobs_pruned=bool(row["blobs_pruned"]), **extra,
+    )

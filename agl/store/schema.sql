@@ -1,5 +1,7 @@
 -- Schema of a run's store (<run dir>/store.sqlite), version 2 (PRAGMA user_version).
 -- Version 2 changed only views (db.py upgrades version-1 files by recreating them).
+-- Views and indexes are derived and do not count as a version: a writable open adds
+-- the indexes a file lacks (db.install_schema).
 --
 -- One file holds everything a run needs to resume: the rollout queue and its
 -- attempts, every span (LLM calls with their token arrays, rewards), the
@@ -61,6 +63,15 @@ CREATE TABLE IF NOT EXISTS rollouts (
 CREATE INDEX IF NOT EXISTS rollouts_queue ON rollouts(queue_seq) WHERE queue_seq IS NOT NULL;
 CREATE INDEX IF NOT EXISTS rollouts_status ON rollouts(status);
 CREATE INDEX IF NOT EXISTS rollouts_step ON rollouts(step) WHERE step IS NOT NULL;
+-- The evaluations' tags (agl/evaluate.py: eval_step for the trainers' evals, eval for
+-- algo=eval, candidate for algo=prompt_search): query_rollouts(metadata={...}) probes
+-- these. Partial, so rollouts without the key cost nothing beyond the check at insert.
+CREATE INDEX IF NOT EXISTS rollouts_eval_step ON rollouts(json_extract(metadata, '$.eval_step'))
+    WHERE json_extract(metadata, '$.eval_step') IS NOT NULL;
+CREATE INDEX IF NOT EXISTS rollouts_eval ON rollouts(json_extract(metadata, '$.eval'))
+    WHERE json_extract(metadata, '$.eval') IS NOT NULL;
+CREATE INDEX IF NOT EXISTS rollouts_candidate ON rollouts(json_extract(metadata, '$.candidate'))
+    WHERE json_extract(metadata, '$.candidate') IS NOT NULL;
 
 CREATE TABLE IF NOT EXISTS attempts (
     attempt_id            TEXT PRIMARY KEY,     -- 'at-000001-2': attempt 2 of 'ro-000001'

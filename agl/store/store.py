@@ -15,9 +15,13 @@ How it is built:
   hand out the same rollout twice, and a `kill -9` leaves either all or none
   of an operation.
 * Every hot-path statement is an index probe (queue head, deadline index,
-  primary keys), so operations cost O(log n) in the size of the store.
-* Waiting, deadlines, dead processes and the watchdog live in watch.py;
+  primary keys; a step's or an evaluation's rollouts: the step and tag indexes),
+  so operations cost O(log n) in the size of the store.
+* The store is composed of parts that share one `db.Db` (the connection, its
+  worker thread, one transaction per operation): rollouts, attempts and spans
+  here; waiting, deadlines, dead processes and the watchdog in watch.py;
   resources in resources.py; checkpoints, metrics and run info in runstate.py.
+  `SqliteStore`'s methods are the public API and forward to the parts.
 
 Unknown ids raise `ValueError` in every method that acts on or lists under an
 id. The two plain lookups, `get_rollout_by_id` and `get_resources_by_id`,
@@ -27,10 +31,11 @@ and `query_rollouts(rollout_ids=...)` is a filter: unknown ids just match nothin
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
 
 from agl.store import db, rules, sessions, txn
 from agl.store.codec import (
@@ -45,15 +50,18 @@ from agl.store.codec import (
     span_from_row,
     span_params,
 )
-from agl.store.resources import ResourcesMixin
-from agl.store.runstate import RunStateMixin
-from agl.store.watch import ReadOnlyStoreError, WatchMixin
+from agl.store.db import ReadOnlyStoreError
+from agl.store.resources import Resources
+from agl.store.runstate import RunState
 from agl.store.txn import Tx
+from agl.store.watch import Waiters, Watch
 from agl.types import (
     UNSET,
     Attempt,
     AttemptedRollout,
     AttemptStatus,
+    Checkpoint,
+    ResourcesUpdate,
     Rollout,
     RolloutConfig,
     RolloutMode,
@@ -63,12 +71,41 @@ from agl.types import (
 )
 
 
-T = TypeVar("T")
+__all__ = ["SqliteStore", "ReadOnlyStoreError"]
+
 StatusFilter = Union[RolloutStatus, str, Sequence[Union[RolloutStatus, str]], None]
 ConfigArg = Union[RolloutConfig, dict[str, Any], None]
 
 
-class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
+def _given(**fields: Any) -> dict[str, Any]:
+    """The fields an update call was given (UNSET: leave as is)."""
+    return {name: value for name, value in fields.items() if value is not UNSET}
+
+
+def _rollout_config(config: ConfigArg) -> RolloutConfig:
+    return config if isinstance(config, RolloutConfig) else RolloutConfig.model_validate(config or {})
+
+
+# A metadata key SQL can name in a JSON path literal, which is what lets a query use the
+# expression indexes on `json_extract(metadata, '$.<key>')` (schema.sql).
+_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+_INT64 = range(-(2**63), 2**63)
+
+
+def _add_metadata_condition(where: db.Where, key: str, value: Any) -> None:
+    """Narrow a rollout query to `metadata[key] == value` where SQL can: a plain key and a
+    scalar value (None: missing or null). Never excludes a rollout Python's == would keep;
+    the caller confirms each row with ==."""
+    if not isinstance(key, str) or not _PLAIN_KEY.match(key):
+        return
+    column = "step" if key == "step" else f"json_extract(metadata, '$.{key}')"  # step: its generated column
+    if value is None:
+        where.add(f"{column} IS NULL")
+    elif isinstance(value, (str, float)) or (isinstance(value, int) and value in _INT64):
+        where.add(f"{column} = ?", value)
+
+
+class SqliteStore:
     """The run's store. See the module docstring; status rules in `agl/store/rules.py`.
 
     Args:
@@ -108,18 +145,20 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
             raise ValueError("keep_checkpoints must be at least 1")
         self.path = Path(path)
         self.readonly = readonly
-        self._clock = clock
-        self._busy_timeout = busy_timeout
-        self._synchronous = synchronous
-        self._keep_checkpoints = keep_checkpoints
         self._watchdog_interval = watchdog_interval
-        self._poll_interval = poll_interval
-        self._session_check_interval = session_check_interval
-        self._closed = False
-        self._init_watch()
         self.session = None if readonly else sessions.current_session()
-        self._conn: Any = None
-        self._worker = db.Worker("agl-store")
+        waiters = Waiters()
+        self._db = db.Db(
+            self.path, readonly=readonly, clock=clock, busy_timeout=busy_timeout, synchronous=synchronous,
+            on_commit=waiters.notify,
+        )
+        self._worker = self._db.worker
+        self._watch = Watch(
+            self._db, waiters, poll_interval=poll_interval, session_check_interval=session_check_interval,
+            watchdog_interval=watchdog_interval,
+        )
+        self._resources = Resources(self._db)
+        self._run_state = RunState(self._db, keep_checkpoints)
         if not _defer_open:
             self._worker.call(self._open_or_clean_up)
 
@@ -150,9 +189,11 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
                 "SELECT pid, process_start_time, hostname, closed_time FROM sessions WHERE session_id = ?",
                 (session_id,),
             ).fetchone()
-            return row is not None and row[3] is None and sessions.is_alive(sessions.SessionInfo(session_id, *row[:3]))
+            return row is not None and row["closed_time"] is None and sessions.is_alive(
+                sessions.SessionInfo(session_id, row["pid"], row["process_start_time"], row["hostname"])
+            )
 
-        return await self._read(read)
+        return await self._db.read(read)
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -166,21 +207,25 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
             raise
 
     def _open(self) -> None:
-        self._conn = db.connect(
-            self.path, readonly=self.readonly, busy_timeout=self._busy_timeout, synchronous=self._synchronous
-        )
+        self._db.connect()
         if self.readonly:
-            db.check_schema(self._conn)
             return
-        db.install_schema(self._conn)
-        with db.write_transaction(self._conn):
-            self.session = sessions.register(self._conn, self.session)  # type: ignore[arg-type]
-        self._reap_dead_sessions()
+        with db.write_transaction(self._db.conn):
+            self.session = sessions.register(self._db.conn, self.session)  # type: ignore[arg-type]
+        self._db.session_id = self.session.session_id
+        self._watch.reap_dead_sessions_sync()
+
+    # A store is dropped the way kill -9 would drop it (tests/store_helpers.abandon) through these.
+    @property
+    def _closed(self) -> bool:
+        return self._db.closed
+
+    @_closed.setter
+    def _closed(self, value: bool) -> None:
+        self._db.closed = value
 
     def _close_connection(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        self._db.close_connection()
 
     async def close(self) -> None:
         """Stop the watchdog, end this session (R7: its active attempts become
@@ -194,12 +239,12 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
             await self._worker.run(self._close_sync)
         finally:
             self._worker.shutdown()
-            self._wake_all()
+            self._watch.waiters.wake_all()
 
     def _close_sync(self) -> None:
         try:
-            if not self.readonly and self._conn is not None:
-                self._write_sync(self._end_session_tx)
+            if not self.readonly and self._db.conn is not None:
+                self._db.write_sync(self._end_session_tx)
         finally:
             self._close_connection()
 
@@ -214,48 +259,6 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
     async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
-    # -- plumbing ----------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"store {self.path} is closed")
-
-    def _write_sync(self, fn: Callable[..., T], *args: Any) -> T:
-        tx = Tx(self._conn, self._clock(), self.session_id)
-        with db.write_transaction(self._conn):
-            result = fn(tx, *args)
-        if tx.finished:
-            self._notify(tx.finished)
-        return result
-
-    def _durable_write_sync(self, fn: Callable[..., T], *args: Any) -> T:
-        # synchronous=FULL for this one COMMIT: it is fsynced (with all before it).
-        self._conn.execute("PRAGMA synchronous=FULL")
-        try:
-            return self._write_sync(fn, *args)
-        finally:
-            self._conn.execute(f"PRAGMA synchronous={self._synchronous}")
-
-    async def _write(self, fn: Callable[..., T], *args: Any, durable: bool = False) -> T:
-        """Run `fn(tx, *args)` in one write transaction on the worker thread;
-        `durable=True` flushes its commit to disk whatever `synchronous` is."""
-        self._check_open()
-        if self.readonly:
-            raise ReadOnlyStoreError(f"store {self.path} was opened read-only")
-        return await self._worker.run(self._durable_write_sync if durable else self._write_sync, fn, *args)
-
-    def _read_sync(self, fn: Callable[..., T], *args: Any) -> T:
-        if not self.readonly:
-            self._expire_due()  # R6 before every read: nobody sees an overdue attempt as active
-        with db.read_transaction(self._conn):
-            return fn(self._conn, *args)
-
-    async def _read(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(conn, *args)` in one read transaction (a consistent snapshot), after
-        applying due deadlines if the store is writable (R6)."""
-        self._check_open()
-        return await self._worker.run(self._read_sync, fn, *args)
-
     # -- rollouts ----------------------------------------------------------------
 
     def _new_rollout_tx(
@@ -266,7 +269,7 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
             resources_id = txn.latest_resources_id(tx.conn)
         else:
             txn.require_resources(tx.conn, resources_id)
-        cfg = config if isinstance(config, RolloutConfig) else RolloutConfig.model_validate(config or {})
+        cfg = _rollout_config(config)
         row = txn.insert_rollout(
             tx, input_json=dumps_or_none(input), mode=mode, resources_id=resources_id,
             config_json=cfg.model_dump_json(), metadata_json=dumps(metadata or {}),
@@ -301,7 +304,7 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
 
         `metadata={"step": n, ...}` ties it to training step n (see
         `query_rollouts(step=n)`)."""
-        return (await self._write(self._enqueue_tx, [input], mode, resources_id, config, metadata))[0]
+        return (await self._db.write(self._enqueue_tx, [input], mode, resources_id, config, metadata))[0]
 
     async def enqueue_rollouts(
         self,
@@ -316,7 +319,7 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
         This is how a trainer enqueues a step's batch so that a crash never
         leaves half a step in the queue. `metadata` is one dict for all, or one
         per input."""
-        return await self._write(self._enqueue_tx, list(inputs), mode, resources_id, config, metadata)
+        return await self._db.write(self._enqueue_tx, list(inputs), mode, resources_id, config, metadata)
 
     def _start_rollout_tx(
         self, tx: Tx, input: Any, mode: Optional[str], resources_id: Optional[str],
@@ -336,36 +339,33 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
         worker_id: Optional[str] = None,
     ) -> AttemptedRollout:
         """Create a rollout and its attempt 1, both `preparing`, bypassing the queue (R1)."""
-        return await self._write(self._start_rollout_tx, input, mode, resources_id, config, metadata, worker_id)
+        return await self._db.write(self._start_rollout_tx, input, mode, resources_id, config, metadata, worker_id)
 
     def _dequeue_sync(self, worker_id: Optional[str]) -> Optional[AttemptedRollout]:
         # Read-only probe first: an idle runner polling an empty queue must not
         # take the write lock (that would stall the writers of other processes).
-        conn = self._conn
-        now = self._clock()
+        conn = self._db.conn
+        now = self._db.clock()
         queued = conn.execute("SELECT 1 FROM rollouts WHERE queue_seq IS NOT NULL LIMIT 1").fetchone()
         if queued is None and not txn.has_due_deadline(conn, now):
             return None
-        return self._write_sync(self._dequeue_tx, worker_id)
+        return self._db.write_sync(self._dequeue_tx, worker_id)
 
     def _dequeue_tx(self, tx: Tx, worker_id: Optional[str]) -> Optional[AttemptedRollout]:
         txn.expire_due_attempts(tx)  # R6, cheaply: one index probe when nothing is due
-        raw = tx.conn.execute(
+        head = tx.conn.execute(
             f"SELECT {ROLLOUT_COLUMNS} FROM rollouts WHERE queue_seq IS NOT NULL ORDER BY queue_seq LIMIT 1"
         ).fetchone()
-        if raw is None:
+        if head is None:
             return None
-        row = RolloutRow(raw)
+        row = RolloutRow(head)
         attempt = txn.create_attempt(tx, row, worker_id)
         return row.to_attempted(attempt, status=RolloutStatus.PREPARING, end_time=None)
 
     async def dequeue_rollout(self, worker_id: Optional[str] = None) -> Optional[AttemptedRollout]:
         """Take the oldest queued rollout and create its next attempt (R2); None if the
         queue is empty. Never blocks; never hands a queue entry out twice."""
-        self._check_open()
-        if self.readonly:
-            raise ReadOnlyStoreError(f"store {self.path} was opened read-only")
-        return await self._worker.run(self._dequeue_sync, worker_id)
+        return await self._db.run(self._dequeue_sync, worker_id, writes=True)
 
     def _start_attempt_tx(self, tx: Tx, rollout_id: str, worker_id: Optional[str]) -> AttemptedRollout:
         row = txn.get_rollout(tx.conn, rollout_id)
@@ -374,30 +374,31 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
 
     async def start_attempt(self, rollout_id: str, worker_id: Optional[str] = None) -> AttemptedRollout:
         """Create the next attempt of a rollout on demand (R2: an explicit retry)."""
-        return await self._write(self._start_attempt_tx, rollout_id, worker_id)
+        return await self._db.write(self._start_attempt_tx, rollout_id, worker_id)
 
     def _query_rollouts(
-        self, conn: Any, statuses: Optional[list[str]], rollout_ids: Optional[list[str]], step: Optional[int]
+        self, conn: Any, statuses: Optional[list[str]], rollout_ids: Optional[list[str]], step: Optional[int],
+        metadata: Optional[dict[str, Any]],
     ) -> list[Rollout]:
-        view = self._overdue_view(conn)
-        where, params = [], []
+        view = self._db.overdue_view(conn)
+        where = db.Where()
         if statuses is not None:
             clause = "status IN (SELECT value FROM json_each(?))"
-            params.append(dumps(statuses))
+            params = [dumps(statuses)]
             if view.rollouts:  # read-only: their status as shown may not be the stored one
                 clause = f"({clause} OR rollout_id IN (SELECT value FROM json_each(?)))"
                 params.append(dumps(list(view.rollouts)))
-            where.append(clause)
+            where.add(clause, *params)
         if rollout_ids is not None:
-            where.append("rollout_id IN (SELECT value FROM json_each(?))")
-            params.append(dumps(rollout_ids))
+            where.add("rollout_id IN (SELECT value FROM json_each(?))", dumps(rollout_ids))
         if step is not None:
-            where.append("step = ?")
-            params.append(step)
-        sql = f"SELECT {ROLLOUT_COLUMNS} FROM rollouts"
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        found = [view.rollout(RolloutRow(raw)) for raw in conn.execute(sql + " ORDER BY seq", params)]
+            where.add("step = ?", step)
+        for key, value in (metadata or {}).items():
+            _add_metadata_condition(where, key, value)
+        rows = conn.execute(f"SELECT {ROLLOUT_COLUMNS} FROM rollouts{where} ORDER BY seq", where.params)
+        found = [view.rollout(RolloutRow(row)) for row in rows]
+        if metadata:  # what SQL narrowed, confirmed with Python's == (SQL cannot decide every value)
+            found = [r for r in found if all((r.metadata or {}).get(k, None) == v for k, v in metadata.items())]
         if statuses is None or not view.rollouts:
             return found
         return [r for r in found if r.status in statuses]
@@ -408,54 +409,43 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
         rollout_ids: Optional[Sequence[str]] = None,
         *,
         step: Optional[int] = None,
+        metadata: Optional[Mapping[str, Any]] = None,
     ) -> list[Rollout]:
-        """Rollouts in creation order, filtered by status (one or a list), ids and/or
-        training step (`metadata["step"]`, indexed)."""
+        """Rollouts in creation order, filtered by status (one or a list), ids, training
+        step (`metadata["step"]`, indexed) and/or `metadata`: those whose metadata has
+        each of these keys equal to its value (a missing key equals None). Indexed for the
+        evaluations' tags `eval_step`, `eval` and `candidate` (schema.sql); other keys
+        are matched by reading every rollout."""
         statuses = None
         if status is not None:
             statuses = [RolloutStatus(status).value] if isinstance(status, str) else [
                 RolloutStatus(s).value for s in status
             ]
         ids = None if rollout_ids is None else list(rollout_ids)
-        return await self._read(self._query_rollouts, statuses, ids, step)
+        return await self._db.read(self._query_rollouts, statuses, ids, step, None if metadata is None else dict(metadata))
 
     async def get_rollout_by_id(self, rollout_id: str) -> Optional[Rollout]:
         """The rollout, or None if there is no such id."""
 
         def read(conn: Any) -> Optional[Rollout]:
             row = txn.find_rollout(conn, rollout_id)
-            return None if row is None else self._overdue_view(conn, [rollout_id]).rollout(row)
+            return None if row is None else self._db.overdue_view(conn, [rollout_id]).rollout(row)
 
-        return await self._read(read)
+        return await self._db.read(read)
 
-    def _update_rollout_tx(
-        self, tx: Tx, rollout_id: str, input: Any, mode: Any, resources_id: Any,
-        status: Any, config: Any, metadata: Any,
-    ) -> Rollout:
-        row = txn.get_rollout(tx.conn, rollout_id)
-        sets: list[str] = []
-        params: list[Any] = []
-        if input is not UNSET:
-            sets.append("input = ?")
-            params.append(dumps_or_none(input))
-        if mode is not UNSET:
-            sets.append("mode = ?")
-            params.append(mode)
-        if resources_id is not UNSET:
-            if resources_id is not None:
-                txn.require_resources(tx.conn, resources_id)
-            sets.append("resources_id = ?")
-            params.append(resources_id)
-        if config is not UNSET:
-            cfg = config if isinstance(config, RolloutConfig) else RolloutConfig.model_validate(config or {})
-            sets.append("config = ?")
-            params.append(cfg.model_dump_json())
+    def _update_rollout_tx(self, tx: Tx, rollout_id: str, changes: dict[str, Any]) -> Rollout:
+        row = txn.get_rollout(tx.conn, rollout_id, txn.RULE_COLUMNS)
+        status = changes.pop("status", UNSET)
+        if changes.get("resources_id") is not None:
+            txn.require_resources(tx.conn, changes["resources_id"])
+        if "config" in changes:
+            cfg = _rollout_config(changes["config"])
+            changes["config"] = cfg.model_dump_json()
             txn.refresh_deadlines(tx, rollout_id, cfg)
-        if metadata is not UNSET:
-            sets.append("metadata = ?")
-            params.append(dumps_or_none(metadata))
-        if sets:
-            tx.conn.execute(f"UPDATE rollouts SET {', '.join(sets)} WHERE rollout_id = ?", (*params, rollout_id))
+        for column in ("input", "metadata"):
+            if column in changes:
+                changes[column] = dumps_or_none(changes[column])
+        db.update(tx.conn, "rollouts", changes, key=("rollout_id", rollout_id))
         if status is not UNSET:
             txn.set_rollout_status(tx, rollout_id, row.status, RolloutStatus(status))  # R8
         return txn.get_rollout(tx.conn, rollout_id).to_model()
@@ -473,9 +463,10 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
         """Change the given fields (UNSET: leave as is; None: set to null). `metadata`
         replaces the old dict. A status is set as given (R8); a new config also
         moves the deadlines of the rollout's active attempts (R6)."""
-        return await self._write(
-            self._update_rollout_tx, rollout_id, input, mode, resources_id, status, config, metadata
+        changes = _given(
+            input=input, mode=mode, resources_id=resources_id, status=status, config=config, metadata=metadata
         )
+        return await self._db.write(self._update_rollout_tx, rollout_id, changes)
 
     # -- attempts ----------------------------------------------------------------
 
@@ -483,54 +474,39 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
         """All attempts of a rollout, oldest first."""
 
         def read(conn: Any) -> list[Attempt]:
-            txn.get_rollout(conn, rollout_id)
+            txn.get_rollout(conn, rollout_id, txn.RULE_COLUMNS)  # raises for an unknown rollout
             rows = conn.execute(
                 f"SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE rollout_id = ? ORDER BY sequence_id",
                 (rollout_id,),
             )
-            view = self._overdue_view(conn, rollout_ids=[])  # attempts only
+            view = self._db.overdue_view(conn, rollout_ids=[])  # attempts only
             return [view.attempt(r) for r in rows]
 
-        return await self._read(read)
+        return await self._db.read(read)
 
     async def get_latest_attempt(self, rollout_id: str) -> Optional[Attempt]:
         """The rollout's latest attempt, or None if it has none yet."""
 
         def read(conn: Any) -> Optional[Attempt]:
-            row = txn.get_rollout(conn, rollout_id)
+            row = txn.get_rollout(conn, rollout_id, txn.RULE_COLUMNS)
             if row.num_attempts == 0:
                 return None
-            return self._overdue_view(conn, rollout_ids=[]).attempt(txn.get_attempt_row(conn, row, "latest"))
+            return self._db.overdue_view(conn, rollout_ids=[]).attempt(txn.get_attempt_row(conn, row, "latest"))
 
-        return await self._read(read)
+        return await self._db.read(read)
 
-    def _update_attempt_tx(
-        self, tx: Tx, rollout_id: str, attempt_id: str, status: Any, worker_id: Any,
-        last_heartbeat_time: Any, metadata: Any,
-    ) -> Attempt:
-        rollout = txn.get_rollout(tx.conn, rollout_id)
-        raw = txn.get_attempt_row(tx.conn, rollout, attempt_id)
-        real_id = raw[1]
-        sets: list[str] = []
-        params: list[Any] = []
-        if worker_id is not UNSET:
-            sets.append("worker_id = ?")
-            params.append(worker_id)
-        if last_heartbeat_time is not UNSET:
-            sets.append("last_heartbeat_time = ?")
-            params.append(last_heartbeat_time)
-        if metadata is not UNSET:
-            sets.append("metadata = ?")
-            params.append(dumps_or_none(metadata))
-        if sets:
-            raw = tx.conn.execute(
-                f"UPDATE attempts SET {', '.join(sets)} WHERE attempt_id = ? RETURNING {ATTEMPT_COLUMNS}",
-                (*params, real_id),
-            ).fetchone()
+    def _update_attempt_tx(self, tx: Tx, rollout_id: str, attempt_id: str, changes: dict[str, Any]) -> Attempt:
+        rollout = txn.get_rollout(tx.conn, rollout_id, txn.RULE_COLUMNS)
+        row = txn.get_attempt_row(tx.conn, rollout, attempt_id)
+        real_id = row["attempt_id"]
+        status = changes.pop("status", UNSET)
+        if "metadata" in changes:
+            changes["metadata"] = dumps_or_none(changes["metadata"])
+        row = db.update(tx.conn, "attempts", changes, key=("attempt_id", real_id), returning=ATTEMPT_COLUMNS) or row
         if status is not UNSET:
-            raw = txn.set_attempt_status(tx, real_id, AttemptStatus(status))
-            txn.propagate(tx, rollout, raw[2], raw[3])  # R4 (only if latest, R5)
-        return attempt_from_row(raw)
+            row = txn.set_attempt_status(tx, real_id, AttemptStatus(status))
+            txn.propagate(tx, rollout, row["sequence_id"], row["status"])  # R4 (only if latest, R5)
+        return attempt_from_row(row)
 
     async def update_attempt(
         self,
@@ -543,16 +519,16 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
     ) -> Attempt:
         """Change an attempt (or the rollout's "latest"). A status change of the latest
         attempt propagates to the rollout (R4), e.g. `status="succeeded"` finishes it."""
-        return await self._write(
-            self._update_attempt_tx, rollout_id, attempt_id, status, worker_id, last_heartbeat_time, metadata
-        )
+        changes = _given(status=status, worker_id=worker_id, last_heartbeat_time=last_heartbeat_time, metadata=metadata)
+        return await self._db.write(self._update_attempt_tx, rollout_id, attempt_id, changes)
 
     # -- spans -------------------------------------------------------------------
 
     def _add_span_tx(self, tx: Tx, span: Span) -> Span:
         conn = tx.conn
         found = conn.execute(
-            "SELECT a.sequence_id, a.status, r.status, r.config, r.num_attempts, r.last_span_seq "
+            "SELECT a.sequence_id AS attempt_seq, a.status AS attempt_status, "
+            "r.rollout_id, r.status, r.config, r.num_attempts, r.last_span_seq "
             "FROM attempts a JOIN rollouts r ON r.rollout_id = a.rollout_id "
             "WHERE a.attempt_id = ? AND a.rollout_id = ?",
             (span.attempt_id, span.rollout_id),
@@ -560,12 +536,13 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
         if found is None:
             rollout = txn.get_rollout(conn, span.rollout_id)  # raises for an unknown rollout
             txn.get_attempt_row(conn, rollout, span.attempt_id)  # raises for an unknown attempt
-        attempt_seq, attempt_status, rollout_status, config_json, num_attempts, last_span_seq = found
+        attempt_seq, attempt_status, last_span_seq = found["attempt_seq"], found["attempt_status"], found["last_span_seq"]
+        rollout = RolloutRow(found)  # the columns the status rules read
         sequence_id = last_span_seq + 1 if span.sequence_id is None else span.sequence_id
         conn.execute(f"INSERT INTO spans ({SPAN_COLUMNS}) VALUES ({SPAN_PLACEHOLDERS})", span_params(span, sequence_id))
 
         # R3: the span is a heartbeat; it may revive the latest attempt.
-        is_latest = attempt_seq == num_attempts
+        is_latest = attempt_seq == rollout.num_attempts
         new_status = rules.attempt_status_after_heartbeat(AttemptStatus(attempt_status), is_latest)
         conn.execute("UPDATE attempts SET last_heartbeat_time = ? WHERE attempt_id = ?", (tx.now, span.attempt_id))
         if new_status != attempt_status:
@@ -574,8 +551,7 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
             conn.execute(
                 "UPDATE rollouts SET last_span_seq = ? WHERE rollout_id = ?", (sequence_id, span.rollout_id)
             )
-        if is_latest and new_status == AttemptStatus.RUNNING and rollout_status != RolloutStatus.RUNNING:
-            rollout = RolloutRow.partial(span.rollout_id, rollout_status, config_json, num_attempts)
+        if is_latest and new_status == AttemptStatus.RUNNING and rollout.status != RolloutStatus.RUNNING:
             txn.propagate(tx, rollout, attempt_seq, new_status)  # R4
         if span.sequence_id is None:
             return span.model_copy(update={"sequence_id": sequence_id})
@@ -584,10 +560,10 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
     async def add_span(self, span: Span) -> Span:
         """Store a span (sequence_id assigned if None) and count it as a heartbeat (R3).
         Returns the stored span."""
-        return await self._write(self._add_span_tx, span)
+        return await self._db.write(self._add_span_tx, span)
 
     def _next_span_seq_tx(self, tx: Tx, rollout_id: str, attempt_id: str) -> int:
-        rollout = txn.get_rollout(tx.conn, rollout_id)
+        rollout = txn.get_rollout(tx.conn, rollout_id, txn.RULE_COLUMNS)
         txn.get_attempt_row(tx.conn, rollout, attempt_id)
         return tx.conn.execute(
             "UPDATE rollouts SET last_span_seq = last_span_seq + 1 WHERE rollout_id = ? RETURNING last_span_seq",
@@ -597,7 +573,7 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
     async def get_next_span_sequence_id(self, rollout_id: str, attempt_id: str) -> int:
         """Reserve the next span sequence id of the rollout: strictly increasing within
         the rollout, never issued twice."""
-        return await self._write(self._next_span_seq_tx, rollout_id, attempt_id)
+        return await self._db.write(self._next_span_seq_tx, rollout_id, attempt_id)
 
     async def query_spans(
         self, rollout_id: str, attempt_id: Union[str, Literal["latest"], None] = None
@@ -606,7 +582,7 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
         attempt ("latest"), or one attempt."""
 
         def read(conn: Any) -> list[Span]:
-            rollout = txn.get_rollout(conn, rollout_id)
+            rollout = txn.get_rollout(conn, rollout_id, txn.RULE_COLUMNS)
             if attempt_id is None:
                 rows = conn.execute(
                     f"SELECT {SPAN_COLUMNS} FROM spans WHERE rollout_id = ? ORDER BY sequence_id", (rollout_id,)
@@ -614,12 +590,103 @@ class SqliteStore(WatchMixin, ResourcesMixin, RunStateMixin):
             else:
                 if attempt_id == "latest" and rollout.num_attempts == 0:
                     return []
-                real_id = txn.get_attempt_row(conn, rollout, attempt_id)[1]
+                real_id = txn.get_attempt_row(conn, rollout, attempt_id)["attempt_id"]
                 rows = conn.execute(
                     f"SELECT {SPAN_COLUMNS} FROM spans WHERE rollout_id = ? AND attempt_id = ? ORDER BY sequence_id",
                     (rollout_id, real_id),
                 )
             return [span_from_row(r) for r in rows]
 
-        return await self._read(read)
+        return await self._db.read(read)
 
+
+    # -- waiting and liveness (watch.py) -----------------------------------------
+
+    async def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None) -> list[Rollout]:
+        """Wait until all the rollouts are terminal or `timeout` seconds pass; return
+        those that are terminal by then, in the order asked.
+
+        Wakes as soon as this process finishes one; commits of other processes are
+        noticed within `poll_interval`. `timeout=0` just checks."""
+        return await self._watch.wait_for_rollouts(rollout_ids, timeout)
+
+    async def check_timeouts(self) -> list[Attempt]:
+        """Enforce deadlines (R6) and, every `session_check_interval`, dead owners (R7).
+        Returns the attempts whose status changed."""
+        return await self._watch.check_timeouts()
+
+    async def reap_dead_sessions(self) -> list[Attempt]:
+        """Apply R7 now to every session whose process has died."""
+        return await self._watch.reap_dead_sessions()
+
+    async def start_watchdog(self, interval: Optional[float] = None) -> None:
+        """Run `check_timeouts()` every `interval` seconds (default: watchdog_interval)
+        in a background task of the running loop, until `stop_watchdog()`/`close()`."""
+        await self._watch.start_watchdog(interval)
+
+    async def stop_watchdog(self) -> None:
+        await self._watch.stop_watchdog()
+
+    # -- resources (resources.py) ------------------------------------------------
+
+    async def add_resources(self, resources: dict[str, Any], resources_id: Optional[str] = None) -> ResourcesUpdate:
+        """Store a new resources version under a new id (or the given unused one); it
+        becomes the latest, which rollouts created without resources_id get (R1)."""
+        return await self._resources.add_resources(resources, resources_id)
+
+    async def update_resources(self, resources_id: str, resources: dict[str, Any]) -> ResourcesUpdate:
+        """Replace the content of existing resources; like agent-lightning, they also
+        become the latest."""
+        return await self._resources.update_resources(resources_id, resources)
+
+    async def get_resources_by_id(self, resources_id: str) -> Optional[ResourcesUpdate]:
+        """The resources, or None if there is no such id."""
+        return await self._resources.get_resources_by_id(resources_id)
+
+    async def get_latest_resources(self) -> Optional[ResourcesUpdate]:
+        return await self._resources.get_latest_resources()
+
+    # -- run state (runstate.py) -------------------------------------------------
+
+    async def set_run_info(self, key: str, value: Any) -> None:
+        """Store a JSON-able value under `key` (e.g. "config", "git_commit")."""
+        await self._run_state.set_run_info(key, value)
+
+    async def get_run_info(self, key: str, default: Any = None) -> Any:
+        return await self._run_state.get_run_info(key, default)
+
+    async def get_all_run_info(self) -> dict[str, Any]:
+        return await self._run_state.get_all_run_info()
+
+    async def log_metrics(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Record metrics of a step (nested dicts flattened with '/'); a name logged
+        again for the same step replaces the old value."""
+        await self._run_state.log_metrics(step, metrics)
+
+    async def query_metrics(
+        self, step: Optional[int] = None, names: Optional[list[str]] = None
+    ) -> dict[int, dict[str, Any]]:
+        """{step: {name: value}} in step order, optionally for one step / some names."""
+        return await self._run_state.query_metrics(step, names)
+
+    async def save_checkpoint(
+        self,
+        step: int,
+        policy_version: int,
+        state: Mapping[str, Any],
+        blobs: Optional[Mapping[str, bytes]] = None,
+        metrics: Optional[Mapping[str, Any]] = None,
+    ) -> Checkpoint:
+        """Atomically save the run state after `step` (replacing a checkpoint of the
+        same step): JSON `state`, binary `blobs` (adapter weights, optimizer state,
+        torch RNG, ...) and, if given, the step's metrics (as `log_metrics`)."""
+        return await self._run_state.save_checkpoint(step, policy_version, state, blobs, metrics)
+
+    async def load_checkpoint(self, step: Optional[int] = None) -> Optional[Checkpoint]:
+        """The checkpoint of `step`, or the latest one (highest step); None if there is
+        none. A checkpoint whose blobs were pruned comes back with `blobs_pruned=True`."""
+        return await self._run_state.load_checkpoint(step)
+
+    async def list_checkpoints(self) -> list[Checkpoint]:
+        """All checkpoints, oldest step first, without their blobs (cheap)."""
+        return await self._run_state.list_checkpoints()

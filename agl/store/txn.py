@@ -23,6 +23,7 @@ from agl.store import rules, sessions
 from agl.store.codec import (
     ATTEMPT_COLUMNS,
     ROLLOUT_COLUMNS,
+    ROLLOUT_FIELDS,
     RolloutRow,
     attempt_from_row,
     dumps,
@@ -70,40 +71,45 @@ def new_resources_id(conn: sqlite3.Connection, version: int) -> str:
 # -- lookups -------------------------------------------------------------------
 
 
-def find_rollout(conn: sqlite3.Connection, rollout_id: str) -> Optional[RolloutRow]:
-    raw = conn.execute(f"SELECT {ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id = ?", (rollout_id,)).fetchone()
-    return None if raw is None else RolloutRow(raw)
+# What the status rules read of a rollout (RolloutRow works on these alone): updates that
+# only apply the rules need not copy the input and metadata out of the file.
+RULE_COLUMNS = "rollout_id, status, config, num_attempts"
 
 
-def get_rollout(conn: sqlite3.Connection, rollout_id: str) -> RolloutRow:
-    row = find_rollout(conn, rollout_id)
+def find_rollout(conn: sqlite3.Connection, rollout_id: str, columns: str = ROLLOUT_COLUMNS) -> Optional[RolloutRow]:
+    row = conn.execute(f"SELECT {columns} FROM rollouts WHERE rollout_id = ?", (rollout_id,)).fetchone()
+    return None if row is None else RolloutRow(row)
+
+
+def get_rollout(conn: sqlite3.Connection, rollout_id: str, columns: str = ROLLOUT_COLUMNS) -> RolloutRow:
+    row = find_rollout(conn, rollout_id, columns)
     if row is None:
         raise ValueError(f"Rollout {rollout_id!r} not found")
     return row
 
 
-def get_attempt_row(conn: sqlite3.Connection, rollout: RolloutRow, attempt_id: str) -> tuple[Any, ...]:
+def get_attempt_row(conn: sqlite3.Connection, rollout: RolloutRow, attempt_id: str) -> sqlite3.Row:
     """The attempt `attempt_id` ("latest" allowed) of `rollout`, or ValueError."""
     if attempt_id == "latest":
         if rollout.num_attempts == 0:
             raise ValueError(f"Rollout {rollout.rollout_id!r} has no attempts")
-        raw = conn.execute(
+        row = conn.execute(
             f"SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE rollout_id = ? AND sequence_id = ?",
             (rollout.rollout_id, rollout.num_attempts),
         ).fetchone()
     else:
-        raw = conn.execute(
+        row = conn.execute(
             f"SELECT {ATTEMPT_COLUMNS} FROM attempts WHERE attempt_id = ? AND rollout_id = ?",
             (attempt_id, rollout.rollout_id),
         ).fetchone()
-    if raw is None:
+    if row is None:
         raise ValueError(f"Attempt {attempt_id!r} not found for rollout {rollout.rollout_id!r}")
-    return raw
+    return row
 
 
 def latest_resources_id(conn: sqlite3.Connection) -> Optional[str]:
-    raw = conn.execute("SELECT resources_id FROM resources ORDER BY version DESC LIMIT 1").fetchone()
-    return None if raw is None else raw[0]
+    row = conn.execute("SELECT resources_id FROM resources ORDER BY version DESC LIMIT 1").fetchone()
+    return None if row is None else row[0]
 
 
 def require_resources(conn: sqlite3.Connection, resources_id: str) -> None:
@@ -115,10 +121,10 @@ def require_resources(conn: sqlite3.Connection, resources_id: str) -> None:
 
 
 def _next_queue_seq(conn: sqlite3.Connection) -> int:
-    raw = conn.execute(
+    row = conn.execute(
         "SELECT queue_seq FROM rollouts WHERE queue_seq IS NOT NULL ORDER BY queue_seq DESC LIMIT 1"
     ).fetchone()
-    return 1 if raw is None else raw[0] + 1
+    return 1 if row is None else row[0] + 1
 
 
 def set_rollout_status(tx: Tx, rollout_id: str, current: str, new: RolloutStatus) -> None:
@@ -174,7 +180,7 @@ def propagate(
     set_rollout_status(tx, rollout.rollout_id, rollout.status, target)
 
 
-def set_attempt_status(tx: Tx, attempt_id: str, status: AttemptStatus) -> tuple[Any, ...]:
+def set_attempt_status(tx: Tx, attempt_id: str, status: AttemptStatus) -> sqlite3.Row:
     """Set an attempt's status and end_time, dropping R7's note; an attempt made active
     again passes to this session (R7); returns the updated row (ATTEMPT_COLUMNS)."""
     if rules.is_active(status):
@@ -195,9 +201,9 @@ def set_attempt_status(tx: Tx, attempt_id: str, status: AttemptStatus) -> tuple[
 
 def expire_attempt(tx: Tx, attempt_id: str, rollout_id: str, status: AttemptStatus) -> Attempt:
     """R6: the status a deadline gives, then R4."""
-    raw = set_attempt_status(tx, attempt_id, status)
-    propagate(tx, get_rollout(tx.conn, rollout_id), raw[2], raw[3])
-    return attempt_from_row(raw)
+    row = set_attempt_status(tx, attempt_id, status)
+    propagate(tx, get_rollout(tx.conn, rollout_id, RULE_COLUMNS), row["sequence_id"], row["status"])
+    return attempt_from_row(row)
 
 
 # -- creation ------------------------------------------------------------------
@@ -216,12 +222,12 @@ def insert_rollout(
 ) -> RolloutRow:
     # seq is the INTEGER PRIMARY KEY, so max(seq) is one b-tree probe; rollouts are never deleted.
     seq = tx.conn.execute("SELECT coalesce(max(seq), 0) + 1 FROM rollouts").fetchone()[0]
-    raw = (
+    values = (
         numbered_id("ro", seq), input_json, mode, resources_id, status.value, config_json, metadata_json,
         tx.now, None, 0, 0, queue_seq,
     )
-    tx.conn.execute(f"INSERT INTO rollouts (seq, {ROLLOUT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", (seq, *raw))
-    return RolloutRow(raw)
+    tx.conn.execute(f"INSERT INTO rollouts (seq, {ROLLOUT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", (seq, *values))
+    return RolloutRow(dict(zip(ROLLOUT_FIELDS, values)))
 
 
 def next_queue_seq(tx: Tx) -> int:
@@ -291,8 +297,8 @@ def expire_due_attempts(tx: Tx) -> list[Attempt]:
 
 def end_session(tx: Tx, session_id: str, how: rules.SessionEnd) -> list[Attempt]:
     """R7: close the session; its active attempts become unresponsive, uncharged."""
-    raw_pid = tx.conn.execute("SELECT pid FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
-    note = rules.harness_ended_note(how, None if raw_pid is None else raw_pid[0])
+    found = tx.conn.execute("SELECT pid FROM sessions WHERE session_id = ?", (session_id,)).fetchone()
+    note = rules.harness_ended_note(how, None if found is None else found["pid"])
     rows = tx.conn.execute(
         "SELECT attempt_id, rollout_id, metadata FROM attempts "
         "WHERE session_id = ? AND status IN ('preparing', 'running') ORDER BY rowid",
@@ -300,12 +306,12 @@ def end_session(tx: Tx, session_id: str, how: rules.SessionEnd) -> list[Attempt]
     ).fetchall()
     changed = []
     for attempt_id, rollout_id, metadata in rows:
-        raw = tx.conn.execute(
+        row = tx.conn.execute(
             "UPDATE attempts SET status = ?, end_time = coalesce(end_time, ?), metadata = ? "
             f"WHERE attempt_id = ? RETURNING {ATTEMPT_COLUMNS}",
             (AttemptStatus.UNRESPONSIVE.value, tx.now, dumps({**(loads_or_none(metadata) or {}), **note}), attempt_id),
         ).fetchone()
-        propagate(tx, get_rollout(tx.conn, rollout_id), raw[2], raw[3], harness_ended=True)
-        changed.append(attempt_from_row(raw))
+        propagate(tx, get_rollout(tx.conn, rollout_id, RULE_COLUMNS), row["sequence_id"], row["status"], harness_ended=True)
+        changed.append(attempt_from_row(row))
     sessions.mark_closed(tx.conn, session_id, how)
     return changed

@@ -1,5 +1,6 @@
 """Waiting and liveness: `wait_for_rollouts`, deadlines (R6), dead owners (R7)
-and the background watchdog, as a mixin of `SqliteStore`.
+and the background watchdog, a part of `SqliteStore` (which forwards its public
+methods here).
 
 Waiting is event-driven: a transaction that makes rollouts terminal records
 their ids, and after COMMIT the worker thread sets the events of the waiters on
@@ -21,20 +22,13 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
+from typing import Iterable, Optional, Sequence
 
 from agl.store import db, rules, sessions, txn
 from agl.store.codec import ROLLOUT_COLUMNS, RolloutRow, dumps
-from agl.store.overdue import NOTHING_OVERDUE, OverdueView
 from agl.types import Attempt, Rollout
 
 logger = logging.getLogger("agl.store")
-
-T = TypeVar("T")
-
-
-class ReadOnlyStoreError(RuntimeError):
-    """A write was attempted on a store opened with `readonly=True`."""
 
 
 class _Waiter:
@@ -53,60 +47,55 @@ class _Waiter:
             pass
 
 
-class WatchMixin:
-    """Waiting, deadlines, dead sessions and the watchdog (see the module docstring)."""
+class Waiters:
+    """Who waits for which rollouts. `notify` runs on the worker thread after a COMMIT
+    (it is the store's `Db.on_commit`); the rest on the waiters' loops."""
 
-    # Provided by SqliteStore.
-    path: Any
-    readonly: bool
-    session_id: Optional[str]
-    _conn: Any
-    _worker: db.Worker
-    _clock: Callable[[], float]
-    _closed: bool
-    _poll_interval: float
-    _session_check_interval: float
-    _watchdog_interval: Optional[float]
+    def __init__(self) -> None:
+        self._by_rollout: dict[str, set[_Waiter]] = {}
+        self._lock = threading.Lock()
 
-    def _init_watch(self) -> None:
-        self._waiters: dict[str, set[_Waiter]] = {}
-        self._waiters_lock = threading.Lock()
-        self._watchdog_task: Optional[asyncio.Task[None]] = None
-        self._last_session_check = time.monotonic()
-
-    def _check_open(self) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
-
-    def _write_sync(self, fn: Callable[..., T], *args: Any) -> T:  # pragma: no cover - interface
-        raise NotImplementedError
-
-    # -- waiters -----------------------------------------------------------------
-
-    def _notify(self, rollout_ids: Iterable[str]) -> None:
-        with self._waiters_lock:
-            targets = {w for rid in rollout_ids for w in self._waiters.get(rid, ())}
+    def notify(self, rollout_ids: Iterable[str]) -> None:
+        with self._lock:
+            targets = {w for rid in rollout_ids for w in self._by_rollout.get(rid, ())}
         for waiter in targets:
             waiter.wake()
 
-    def _wake_all(self) -> None:
-        with self._waiters_lock:
-            targets = {w for ws in self._waiters.values() for w in ws}
+    def wake_all(self) -> None:
+        with self._lock:
+            targets = {w for ws in self._by_rollout.values() for w in ws}
         for waiter in targets:
             waiter.wake()
 
-    def _register(self, rollout_ids: Iterable[str], waiter: _Waiter) -> None:
-        with self._waiters_lock:
+    def register(self, rollout_ids: Iterable[str], waiter: _Waiter) -> None:
+        with self._lock:
             for rid in rollout_ids:
-                self._waiters.setdefault(rid, set()).add(waiter)
+                self._by_rollout.setdefault(rid, set()).add(waiter)
 
-    def _unregister(self, rollout_ids: Iterable[str], waiter: _Waiter) -> None:
-        with self._waiters_lock:
+    def unregister(self, rollout_ids: Iterable[str], waiter: _Waiter) -> None:
+        with self._lock:
             for rid in rollout_ids:
-                ws = self._waiters.get(rid)
+                ws = self._by_rollout.get(rid)
                 if ws is not None:
                     ws.discard(waiter)
                     if not ws:
-                        del self._waiters[rid]
+                        del self._by_rollout[rid]
+
+
+class Watch:
+    """Waiting, deadlines, dead sessions and the watchdog (see the module docstring)."""
+
+    def __init__(
+        self, store_db: db.Db, waiters: Waiters, *,
+        poll_interval: float, session_check_interval: float, watchdog_interval: Optional[float],
+    ):
+        self.db = store_db
+        self.waiters = waiters
+        self.poll_interval = poll_interval
+        self.session_check_interval = session_check_interval
+        self.watchdog_interval = watchdog_interval
+        self._watchdog_task: Optional[asyncio.Task[None]] = None
+        self._last_session_check = time.monotonic()
 
     # -- waiting -----------------------------------------------------------------
 
@@ -115,17 +104,17 @@ class WatchMixin:
     ) -> tuple[Optional[dict[str, Rollout]], int]:
         """Apply due deadlines, then return the terminal ones among `rollout_ids`, or
         None if no other process committed since `last_version` (nothing to re-read)."""
-        if not self.readonly:
-            self._expire_due()
-        conn = self._conn
+        if not self.db.readonly:
+            self.db.expire_due()
+        conn = self.db.conn
         with db.read_transaction(conn):
-            view = self._overdue_view(conn, rollout_ids)
+            view = self.db.overdue_view(conn, rollout_ids)
             version = conn.execute("PRAGMA data_version").fetchone()[0]
             if version == last_version and not view.rollouts:  # time alone can make a read-only view change
                 return None, version
             rows = [
-                RolloutRow(raw)
-                for raw in conn.execute(
+                RolloutRow(row)
+                for row in conn.execute(
                     f"SELECT {ROLLOUT_COLUMNS} FROM rollouts WHERE rollout_id IN (SELECT value FROM json_each(?))",
                     (dumps(rollout_ids),),
                 )
@@ -137,30 +126,25 @@ class WatchMixin:
         shown = [view.rollout(r) for r in rows]
         return {r.rollout_id: r for r in shown if rules.is_terminal(r.status)}, version
 
-    async def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float] = None) -> list[Rollout]:
-        """Wait until all the rollouts are terminal or `timeout` seconds pass; return
-        those that are terminal by then, in the order asked.
-
-        Wakes as soon as this process finishes one; commits of other processes are
-        noticed within `poll_interval`. `timeout=0` just checks."""
-        self._check_open()
+    async def wait_for_rollouts(self, rollout_ids: Sequence[str], timeout: Optional[float]) -> list[Rollout]:
+        self.db.check_open()
         ids = list(dict.fromkeys(rollout_ids))
         if not ids:
             return []
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         waiter = _Waiter()
-        self._register(ids, waiter)  # before the first read: no wake-up can be lost
+        self.waiters.register(ids, waiter)  # before the first read: no wake-up can be lost
         done: dict[str, Rollout] = {}
         pending = ids
         version: Optional[int] = None
         first = True
         try:
             while True:
-                self._check_open()  # a store closed under the waiter: say so clearly
+                self.db.check_open()  # a store closed under the waiter: say so clearly
                 woken = waiter.event.is_set()
                 waiter.event.clear()
-                found, version = await self._worker.run(
+                found, version = await self.db.worker.run(
                     self._wait_probe, pending, None if (first or woken) else version, first
                 )
                 first = False
@@ -169,7 +153,7 @@ class WatchMixin:
                     pending = [rid for rid in pending if rid not in done]
                 if not pending:
                     break
-                pause = self._poll_interval
+                pause = self.poll_interval
                 if deadline is not None:
                     remaining = deadline - loop.time()
                     if remaining <= 0:
@@ -180,62 +164,40 @@ class WatchMixin:
                 except asyncio.TimeoutError:
                     pass
         finally:
-            self._unregister(ids, waiter)
+            self.waiters.unregister(ids, waiter)
         return [done[rid] for rid in ids if rid in done]
 
     # -- deadlines, dead sessions, watchdog --------------------------------------
 
-    def _overdue_view(self, conn: Any, rollout_ids: Optional[Sequence[str]] = None) -> OverdueView:
-        """How reads must show overdue attempts (and the rollouts `rollout_ids`, None: all):
-        a writable store has expired them already (it applies R6 before every read), a
-        read-only one shows R6 in memory."""
-        return OverdueView.at(conn, self._clock(), rollout_ids) if self.readonly else NOTHING_OVERDUE
-
-    def _expire_due(self) -> list[Attempt]:
-        if not txn.has_due_deadline(self._conn, self._clock()):
-            return []
-        return self._write_sync(txn.expire_due_attempts)
-
-    def _reap_dead_sessions(self) -> list[Attempt]:
+    def reap_dead_sessions_sync(self) -> list[Attempt]:
         self._last_session_check = time.monotonic()
-        dead = sessions.find_dead(self._conn, exclude=self.session_id)
+        dead = sessions.find_dead(self.db.conn, exclude=self.db.session_id)
         changed: list[Attempt] = []
         for session_id in dead:
             logger.warning("store session %s is dead; its active attempts go back to the queue (R7)", session_id)
-            changed += self._write_sync(txn.end_session, session_id, "dead")
+            changed += self.db.write_sync(txn.end_session, session_id, "dead")
         return changed
 
     def _check_timeouts_sync(self) -> list[Attempt]:
         changed: list[Attempt] = []
-        if time.monotonic() - self._last_session_check >= self._session_check_interval:
-            changed += self._reap_dead_sessions()
-        changed += self._expire_due()
+        if time.monotonic() - self._last_session_check >= self.session_check_interval:
+            changed += self.reap_dead_sessions_sync()
+        changed += self.db.expire_due()
         return changed
 
     async def check_timeouts(self) -> list[Attempt]:
-        """Enforce deadlines (R6) and, every `session_check_interval`, dead owners (R7).
-        Returns the attempts whose status changed."""
-        self._check_open()
-        if self.readonly:
-            raise ReadOnlyStoreError(f"store {self.path} was opened read-only")
-        return await self._worker.run(self._check_timeouts_sync)
+        return await self.db.run(self._check_timeouts_sync, writes=True)
 
     async def reap_dead_sessions(self) -> list[Attempt]:
-        """Apply R7 now to every session whose process has died."""
-        self._check_open()
-        if self.readonly:
-            raise ReadOnlyStoreError(f"store {self.path} was opened read-only")
-        return await self._worker.run(self._reap_dead_sessions)
+        return await self.db.run(self.reap_dead_sessions_sync, writes=True)
 
-    async def start_watchdog(self, interval: Optional[float] = None) -> None:
-        """Run `check_timeouts()` every `interval` seconds (default: watchdog_interval)
-        in a background task of the running loop, until `stop_watchdog()`/`close()`."""
-        if self.readonly:
-            raise ReadOnlyStoreError("a read-only store has no watchdog")
-        self._check_open()
+    async def start_watchdog(self, interval: Optional[float]) -> None:
+        if self.db.readonly:
+            raise db.ReadOnlyStoreError("a read-only store has no watchdog")
+        self.db.check_open()
         if self._watchdog_task is not None and not self._watchdog_task.done():
             return
-        period = interval if interval is not None else (self._watchdog_interval or 1.0)
+        period = interval if interval is not None else (self.watchdog_interval or 1.0)
         self._watchdog_task = asyncio.get_running_loop().create_task(self._watchdog(period), name="agl-store-watchdog")
 
     async def stop_watchdog(self) -> None:
