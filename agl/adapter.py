@@ -5,7 +5,9 @@ and sampled logprobs. When call k+1's prompt starts with call k's prompt + respo
 route guarantees this for a conversation that extends the previous one), the calls merge
 into one sequence: the tokens between them (tool results, user turns, template glue) join
 the completion with mask 0, so only tokens the policy sampled carry loss. When the prefix
-does not line up, the call starts a new sample. Nothing is ever re-tokenized.
+does not line up, the call starts a new sample. Nothing is ever re-tokenized. Calls to the
+route's frozen helper models (span attribute ``trainable: false``: an answerer, a judge) are
+left out: the policy did not sample them.
 
 Worked example: call 1 prompt [P], response [a b]; call 2 prompt [P a b u], response [c].
 Merged: prompt [P], completion [a b u c], mask [1 1 0 1], logprobs [la lb 0 lc].
@@ -56,7 +58,7 @@ def spans_to_samples(spans: Sequence[Span], reward: float | None = None, group: 
     A rollout with no reward yields no samples: there is nothing to learn from it.
     """
     reward = final_reward(spans) if reward is None else reward
-    calls = sorted((s for s in spans if s.name in LLM_SPAN_NAMES and s.response_token_ids is not None), key=lambda s: s.sequence_id or 0)
+    calls = sorted((s for s in spans if is_policy_call(s)), key=lambda s: s.sequence_id or 0)
     if reward is None or not calls:
         return []
     samples: list[Sample] = []
@@ -91,6 +93,11 @@ def spans_to_samples(spans: Sequence[Span], reward: float | None = None, group: 
             )
         )
     return [s for s in samples if s.num_sampled > 0]
+
+
+def is_policy_call(span: Span) -> bool:
+    """An LLM call the policy sampled, with its tokens recorded (not a frozen helper model's)."""
+    return span.name in LLM_SPAN_NAMES and span.response_token_ids is not None and span.attributes.get("trainable", True) is not False
 
 
 def sampling_temperature(call: Span) -> float:

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator
@@ -42,6 +43,7 @@ from agl.merged import MergedSampler
 from agl.model import Policy
 
 GREEDY = 0.0
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +77,8 @@ class SequenceStream:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] | None = [] if params.top_logprobs else None
-        self.finish_reason: str | None = None  # "stop" | "length" | "abort"
+        self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (the engine step failed)
+        self.error: str | None = None  # with "error": what the step raised
         self.policy_version: int | None = None
         self.submitted_at = time.perf_counter()
         self.admitted_at: float | None = None  # joined the running batch (queue time ends)
@@ -175,12 +178,17 @@ class Engine:
         batch_wait_s: float = 0.005,
         weights: str = "merged",
         batch_invariant: bool = False,
+        adapter: bool = True,
     ):
+        """``adapter=False``: sample from the frozen base model (the route's helper models), a dense
+        copy of the base weights whatever ``weights`` says, since the policy's own modules cannot
+        switch their adapter off for one engine while the other samples through them."""
         if weights not in ("merged", "adapter"):
             raise ValueError(f"engine.weights '{weights}' is not one of: merged, adapter")
         self.policy = policy
         # merged: one dense matmul per layer (see agl.merged); adapter: the training model itself
-        self.merged = MergedSampler(policy.model, policy.compute_dtype) if weights == "merged" else None
+        self.adapter = adapter
+        self.merged = MergedSampler(policy.model, policy.compute_dtype, lora=adapter) if weights == "merged" or not adapter else None
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.batch_wait_s = batch_wait_s  # let requests sent together be prefilled together
@@ -194,7 +202,7 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agl-engine")
         self.generator = torch.Generator(device="cpu").manual_seed(0)
-        self.stats = {"steps": 0, "prefill_tokens": 0, "prefill_shared_tokens": 0, "decode_tokens": 0}
+        self.stats = {"steps": 0, "prefill_tokens": 0, "prefill_shared_tokens": 0, "decode_tokens": 0, "failed_steps": 0}
 
     # ------------------------------------------------------------------ public API
 
@@ -279,12 +287,26 @@ class Engine:
                 continue
             admit = self._take_admissions()
             version = self.policy.version
-            results = await loop.run_in_executor(self._thread, self._step, admit)
+            try:
+                results = await loop.run_in_executor(self._thread, self._step, admit)
+            except Exception as error:  # a step that raises fails the sequences in it, not every request after it
+                self._fail_all(admit, error)
+                continue
             for seq, token, logprob, top in results:
                 if seq.finish_reason is None:
                     seq._push(token, logprob, top, version)
             self._retire_finished()
             self.stats["steps"] += 1
+
+    def _fail_all(self, admitted: list[SequenceStream], error: Exception) -> None:
+        """End every sequence of the failed step (``finish_reason`` "error"): their KV rows are in an
+        unknown state. Waiting sequences were not in it and run next."""
+        log.error("engine step failed; its %d sequences end with an error", len(admitted) + len(self._running_seqs()), exc_info=error)
+        for seq in admitted + self._running_seqs():
+            seq.error = f"{type(error).__name__}: {error}"
+            seq._finish("error")
+        self._batches = []
+        self.stats["failed_steps"] += 1
 
     def _drop_cancelled_waiting(self) -> None:
         for seq in [s for s in self._waiting if s.cancelled]:

@@ -44,19 +44,19 @@ class DenseLinear(nn.Module):
         return nn.functional.linear(x.to(self.weight.dtype), self.weight, self.bias).to(x.dtype)
 
 
-def dense_linear(layer: nn.Module, dtype: torch.dtype) -> DenseLinear:
-    """The layer as one dense matrix in ``dtype``: its dequantized base weight plus the
-    active LoRA deltas, summed in fp32 and rounded once."""
+def dense_linear(layer: nn.Module, dtype: torch.dtype, lora: bool = True) -> DenseLinear:
+    """The layer as one dense matrix in ``dtype``: its dequantized base weight plus (``lora``)
+    the active LoRA deltas, summed in fp32 and rounded once."""
     from peft.tuners.lora import LoraLayer
     from peft.utils.integrations import dequantize_bnb_weight
 
-    lora = isinstance(layer, LoraLayer)
-    base = layer.get_base_layer() if lora else layer
+    wrapped = isinstance(layer, LoraLayer)
+    base = layer.get_base_layer() if wrapped else layer
     weight = base.weight
     if type(weight).__name__ in ("Params4bit", "Int8Params"):
         weight = dequantize_bnb_weight(weight, state=getattr(base, "state", None))
     weight = weight.detach().float()
-    if lora and not layer.disable_adapters and not layer.merged:
+    if lora and wrapped and not layer.disable_adapters and not layer.merged:
         for adapter in layer.active_adapters:
             if adapter in layer.lora_A:
                 weight = weight + layer.get_delta_weight(adapter).float()
@@ -81,24 +81,38 @@ def dense_layers(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
+def _is_lora(module: nn.Module) -> bool:
+    from peft.tuners.lora import LoraLayer
+
+    return isinstance(module, LoraLayer)
+
+
 class MergedSampler:
     """Builds and refreshes the dense sampling model; ``model()`` returns it up to date.
 
     The sampling model is a shallow copy of the policy's module tree in which each linear
     layer is replaced by a ``DenseLinear``; every other module (embeddings, norms, rotary,
     the output layer) is the policy's own object, hooks included.
+
+    ``lora=False`` builds the frozen base model instead (the route's helper models, e.g. a judge
+    or an answerer that must not be trained): dense base weights only, and the policy's LoRA
+    embeddings or head replaced by their base layers. It never changes, so it is built once and
+    the trainer never needs to pause it.
     """
 
-    def __init__(self, peft_model: Any, compute_dtype: torch.dtype):
+    def __init__(self, peft_model: Any, compute_dtype: torch.dtype, lora: bool = True):
         self.source = peft_model.get_base_model()  # the HF model with LoRA layers injected
         self.compute_dtype = compute_dtype
+        self.lora = lora
         self.layers = dense_layers(self.source)
         self.sampler = self._copy_tree(self.source, "")
-        self._lora_params = [p for n, p in self.source.named_parameters() if ".lora_" in n]
+        self._lora_params = [p for n, p in self.source.named_parameters() if ".lora_" in n] if lora else []
         self._fingerprint: tuple | None = None
 
     def _copy_tree(self, module: nn.Module, prefix: str) -> nn.Module:
-        if not any(name.startswith(prefix) for name in self.layers):
+        if not self.lora and _is_lora(module) and prefix.rstrip(".") not in self.layers:
+            return module.get_base_layer()  # a LoRA on the embeddings or the head: its frozen base
+        if not any(name.startswith(prefix) for name in self.layers) and (self.lora or not any(map(_is_lora, module.modules()))):
             return module  # nothing below is densified: shared, with its state (e.g. a LoRA's on/off switch)
         clone = copy.copy(module)
         clone._modules = {
@@ -110,6 +124,8 @@ class MergedSampler:
     def _lora_fingerprint(self) -> tuple:
         """Changes whenever a LoRA weight does (in-place updates bump a tensor's version), or
         when the adapter is switched off (``Policy.reference``, which switches every layer)."""
+        if not self.lora:
+            return ()
         first = next(iter(self.layers.values()), None)
         return tuple((p.data_ptr(), p._version) for p in self._lora_params) + (getattr(first, "disable_adapters", False),)
 
@@ -117,7 +133,7 @@ class MergedSampler:
     def refresh(self) -> None:
         for name, layer in self.layers.items():
             owner, _, attr = name.rpartition(".")
-            self.sampler.get_submodule(owner)._modules[attr] = dense_linear(layer, self.compute_dtype)
+            self.sampler.get_submodule(owner)._modules[attr] = dense_linear(layer, self.compute_dtype, self.lora)
         self._fingerprint = self._lora_fingerprint()
 
     def model(self) -> nn.Module:

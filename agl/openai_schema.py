@@ -1,4 +1,4 @@
-"""The OpenAI-compatible request/response surface of the model route, and its errors.
+"""The request side of the model route's OpenAI-compatible surface, and its errors.
 
 Requests are validated here so that every bad input becomes a 400 with an OpenAI-style body
 (``{"error": {"message", "type", "param", "code"}}``) instead of reaching the engine. Unknown
@@ -9,15 +9,15 @@ Extensions beyond OpenAI (the same names vLLM uses):
     ``token_ids`` (the sampled ids, including a final eos token).
   - ``ignore_eos``: keep sampling past eos until ``max_tokens`` (benchmarks).
 
-Responses are built as plain dicts by the server; their shape is what the OpenAI SDK parses.
+The response side (what the route answers) is ``agl.openai_wire``.
 """
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, Literal, Optional, Sequence, Union
+from typing import Annotated, Any, Callable, ClassVar, Literal, Optional, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 MAX_N = 64  # choices per request; the engine's batch is the real bound (checked by the server)
 MAX_STOP_STRINGS = 16
@@ -127,6 +127,19 @@ def text_parts_only(content: Any, text_kinds: tuple[str, ...] = ("text",)) -> An
     return content
 
 
+def tool_choice_shape(value: Any, named: Callable[[dict], Any], message: str) -> Any:
+    """``value`` if it is a mode ("none", "auto", "required") or a dict that ``named`` accepts; else
+    ``message``: one clear error instead of one per shape of the union."""
+    if value is None or value in ("none", "auto", "required") or (isinstance(value, dict) and named(value)):
+        return value
+    raise ValueError(message)
+
+
+def text_only(*text_kinds: str) -> BeforeValidator:
+    """A content field's check (``Annotated[..., text_only("text")]``): ``text_parts_only``."""
+    return BeforeValidator(lambda content: text_parts_only(content, text_kinds))
+
+
 class FunctionCall(_Lenient):
     name: str
     arguments: str = "{}"  # JSON text, as the model wrote it
@@ -150,15 +163,10 @@ class Message(_Lenient):
     """
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+    content: Annotated[Union[str, list[TextPart], None], text_only("text")] = None
     name: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
     tool_call_id: Optional[str] = Field(default=None, validate_default=True)
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_only(cls, value: Any) -> Any:
-        return text_parts_only(value)
 
     @field_validator("tool_call_id")
     @classmethod
@@ -210,12 +218,27 @@ class StreamOptions(_Lenient):
     include_usage: bool = False
 
 
+GREEDY_BELOW = 1e-4
+
+
+def _tiny_is_greedy(temperature: float | None) -> float | None:
+    """A temperature under ``GREEDY_BELOW`` is greedy (0): the logits divided by it overflow
+    float32 (7.8e-42 gave inf, then NaN, and an out-of-vocabulary token), and such a
+    distribution is one-hot anyway. Recorded as 0, so the trainer reads the raw logits too."""
+    return 0.0 if temperature is not None and temperature < GREEDY_BELOW else temperature
+
+
+Temperature = Annotated[float, Field(ge=0.0, le=2.0), AfterValidator(_tiny_is_greedy)]
+
+
 class _SamplingRequest(_Lenient):
     """Fields shared by chat and text completions."""
 
+    prompt_param: ClassVar[str]  # the field that holds the prompt, named by errors about its length
+
     model: Optional[str] = None  # checked by the server (its policy's name or model_names); may be omitted
     max_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    temperature: Temperature = 1.0
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: Union[str, list[str], None] = None
@@ -244,8 +267,34 @@ class _SamplingRequest(_Lenient):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+    def completion_budget(self, prompt_tokens: int, context_length: int, default_max_tokens: int) -> int:
+        """How many tokens to sample at most: ``token_limit`` if the prompt leaves room for it (a 400
+        as OpenAI's if not), else the room left in the context, capped at ``default_max_tokens``."""
+        limit = self.token_limit
+        if limit is None:
+            if context_length - prompt_tokens < 1:
+                raise bad_request(
+                    f"The prompt has {prompt_tokens} tokens, which leaves no room in the model's context length of {context_length} tokens.",
+                    param=self.prompt_param,
+                    code="context_length_exceeded",
+                )
+            return min(default_max_tokens, context_length - prompt_tokens)
+        if prompt_tokens + limit > context_length:
+            raise bad_request(
+                f"This model's maximum context length is {context_length} tokens. However, you requested "
+                f"{prompt_tokens + limit} tokens ({prompt_tokens} in the prompt, {limit} in the completion).",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return limit
+
 
 class ChatCompletionRequest(_SamplingRequest):
+    prompt_param: ClassVar[str] = "messages"
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
@@ -255,13 +304,12 @@ class ChatCompletionRequest(_SamplingRequest):
 
     @field_validator("tool_choice", mode="before")
     @classmethod
-    def _choice_shape(cls, value: Any) -> Any:  # one clear message instead of one per shape of the union
-        if value is None or value in ("none", "auto", "required"):
-            return value
-        function = value.get("function") if isinstance(value, dict) else None
-        if isinstance(function, dict) and value.get("type") == "function" and isinstance(function.get("name"), str) and function["name"]:
-            return value
-        raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+    def _choice_shape(cls, value: Any) -> Any:
+        def named(choice: dict) -> bool:
+            function = choice.get("function")
+            return isinstance(function, dict) and choice.get("type") == "function" and isinstance(function.get("name"), str) and bool(function["name"])
+
+        return tool_choice_shape(value, named, 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
 
     @field_validator("tool_choice")
     @classmethod
@@ -303,6 +351,7 @@ class ChatCompletionRequest(_SamplingRequest):
 class CompletionRequest(_SamplingRequest):
     """A text completion. One prompt per request: a string, token ids, or a one-element list of either."""
 
+    prompt_param: ClassVar[str] = "prompt"
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
@@ -326,10 +375,6 @@ class CompletionRequest(_SamplingRequest):
         if value:
             raise ValueError("'echo' is not supported")
         return value
-
-    @property
-    def token_limit(self) -> int | None:
-        return self.max_tokens
 
     @property
     def n_top_logprobs(self) -> int:

@@ -5,7 +5,8 @@ this API. A Responses request becomes the chat pipeline's own request (``to_chat
 rendering (the built-in tool prompt included), engine submission, ``tool_choice`` enforcement,
 tool-call parsing and recording are the chat route's, and its span is an ``llm.chat`` span like
 any other: multi-turn Responses conversations merge into one training sequence the same way.
-The reply comes back as Responses output items (``OutputBuilder``), streamed or not.
+The reply comes back as a ``Response`` with output items (``agl.openai_wire``: the objects, and
+the ``OutputBuilder`` that writes its items and stream events), streamed or not.
 
 Translation, item by item (``chat_messages``):
   - ``instructions`` -> a system message first; ``input`` as a string -> one user message;
@@ -18,27 +19,24 @@ Translation, item by item (``chat_messages``):
   - ``reasoning`` items are dropped (this route never makes them; they carry no text to render).
   Anything else (images, files, ``item_reference``, built-in tool calls) is a 400.
 
-``previous_response_id``: responses with ``store`` (the default) are kept in memory, the most
-recent ``ResponseStore.max_responses``, each with its whole conversation (input items before it
-included, instructions not: as OpenAI, a follow-up's own ``instructions`` apply). A response is
-found only from the route it was made on (the same rollout attempt, or unscoped ``/v1``).
+``previous_response_id``: responses with ``store`` (the default) are kept in memory
+(``agl.recording.ResponseStore``: the most recent ``max_responses``), each with its whole
+conversation (input items before it included, instructions not: as OpenAI, a follow-up's own
+``instructions`` apply). A response is found only from the route it was made on (the same
+rollout attempt, or unscoped ``/v1``).
 
-Output (``OutputBuilder``): the reply's text is a ``message`` item with one ``output_text``
-part; each parsed tool call is a ``function_call`` item (``call_id`` as chat's tool-call id).
-Text after a call opens a new message item, so streamed and non-streamed outputs are the same
-items; sent back as input, they become the one assistant message they came from. A reply cut by
-``max_output_tokens`` makes the response (and its last item) ``incomplete``. Logprobs
-(``include: ["message.output_text.logprobs"]``) cover the tokens that wrote the text; the span
-has every sampled token's.
+Output (``agl.openai_wire.OutputBuilder``): the reply's text is a ``message`` item with one
+``output_text`` part; each parsed tool call is a ``function_call`` item (``call_id`` as chat's
+tool-call id). Text after a call opens a new message item, so streamed and non-streamed outputs
+are the same items; sent back as input, they become the one assistant message they came from.
+A reply cut by ``max_output_tokens`` makes the response (and its last item) ``incomplete``.
+Logprobs (``include: ["message.output_text.logprobs"]``) cover the tokens that wrote the text;
+the span has every sampled token's.
 """
 from __future__ import annotations
 
-import collections
-import copy
-import dataclasses
 import json
-import secrets
-from typing import Any, Callable, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, Field, ValidationError, field_validator
 
@@ -47,11 +45,16 @@ from agl.openai_schema import (
     MAX_TOP_LOGPROBS,
     APIError,
     ChatCompletionRequest,
+    FunctionDef,
+    Temperature,
+    Tool,
     _Lenient,
     bad_request,
-    text_parts_only,
+    text_only,
+    tool_choice_shape,
     validation_error,
 )
+from agl.openai_wire import IncompleteDetails, OutputItem, Response, ResponseUsage
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 MAX_METADATA_PAIRS = 16
@@ -61,8 +64,7 @@ SUPPORTED_ITEMS = "'message', 'function_call', 'function_call_output' (and 'reas
 # ----------------------------------------------------------------------------- request
 
 
-def _text_parts_only(content: Any) -> Any:
-    return text_parts_only(content, ("input_text", "output_text", "refusal"))
+TEXT_ONLY = text_only("input_text", "output_text", "refusal")
 
 
 class TextPart(_Lenient):
@@ -88,12 +90,7 @@ def _joined(content: Union[str, list]) -> str:
 class MessageItem(_Lenient):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: Union[str, list[Part]]
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_only(cls, value: Any) -> Any:
-        return _text_parts_only(value)
+    content: Annotated[Union[str, list[Part]], TEXT_ONLY]
 
     def text(self) -> str:
         return _joined(self.content)
@@ -114,12 +111,7 @@ class FunctionCallItem(_Lenient):
 class FunctionCallOutputItem(_Lenient):
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1)
-    output: Union[str, list[TextPart]]
-
-    @field_validator("output", mode="before")
-    @classmethod
-    def _text_only(cls, value: Any) -> Any:
-        return _text_parts_only(value)
+    output: Annotated[Union[str, list[TextPart]], TEXT_ONLY]
 
     def text(self) -> str:
         return _joined(self.output)
@@ -147,17 +139,13 @@ class FunctionTool(_Lenient):
     parameters: Optional[dict[str, Any]] = None
     strict: Optional[bool] = None
 
-    def chat(self) -> dict:
-        function = {"name": self.name, "description": self.description, "parameters": self.parameters}
-        return {"type": "function", "function": {k: v for k, v in function.items() if v is not None}}
+    def chat(self) -> Tool:
+        return Tool(type="function", function=FunctionDef(name=self.name, description=self.description, parameters=self.parameters))
 
 
 class FunctionChoice(_Lenient):
-    type: Literal["function"]
-    name: str = Field(min_length=1)
+    """``{"type": "function", "name": ...}``: a ``tool_choice``, or one of its allowed tools."""
 
-
-class AllowedTool(_Lenient):
     type: Literal["function"]
     name: str = Field(min_length=1)
 
@@ -167,7 +155,7 @@ class AllowedToolsChoice(_Lenient):
 
     type: Literal["allowed_tools"]
     mode: Literal["auto", "required"]
-    tools: list[AllowedTool] = Field(min_length=1)
+    tools: list[FunctionChoice] = Field(min_length=1)
 
 
 class ResponsesRequest(_Lenient):
@@ -183,7 +171,7 @@ class ResponsesRequest(_Lenient):
     tool_choice: Union[Literal["none", "auto", "required"], FunctionChoice, AllowedToolsChoice, None] = None
     parallel_tool_calls: Optional[bool] = None
     max_output_tokens: Optional[int] = Field(default=None, ge=1)
-    temperature: Optional[float] = Field(default=None, ge=0.0, le=2.0)
+    temperature: Optional[Temperature] = None
     top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     include: Optional[list[str]] = None
@@ -210,15 +198,12 @@ class ResponsesRequest(_Lenient):
 
     @field_validator("tool_choice", mode="before")
     @classmethod
-    def _choice_shape(cls, value: Any) -> Any:  # one clear message instead of one per shape of the union
-        if value is None or value in ("none", "auto", "required"):
-            return value
-        kind = value.get("type") if isinstance(value, dict) else None
-        if kind in ("function", "allowed_tools"):
-            return value
-        raise ValueError(
+    def _choice_shape(cls, value: Any) -> Any:
+        return tool_choice_shape(
+            value,
+            lambda choice: choice.get("type") in ("function", "allowed_tools"),
             'must be "none", "auto", "required", {"type": "function", "name": ...} or '
-            '{"type": "allowed_tools", "mode": ..., "tools": [...]} (this route runs function tools only)'
+            '{"type": "allowed_tools", "mode": ..., "tools": [...]} (this route runs function tools only)',
         )
 
     @field_validator("metadata")
@@ -375,45 +360,7 @@ def for_responses(err: APIError) -> APIError:
     return APIError(err.status, message, err.type, renamed, err.code)
 
 
-# ----------------------------------------------------------------------------- stored responses
-
-
-@dataclasses.dataclass
-class StoredResponse:
-    scope: tuple[str, str] | None  # the route it was made on
-    items: list[Item]  # the conversation's input items up to this response (instructions not included)
-    output: list[Item]  # its output, as items a follow-up continues from
-    body: dict  # the response object as returned
-
-
-class ResponseStore:
-    """Recent stored responses in memory, least recently used first out."""
-
-    def __init__(self, max_responses: int = 1024):
-        self.max_responses = max_responses
-        self._responses: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
-
-    def put(self, response_id: str, stored: StoredResponse) -> None:
-        self._responses[response_id] = stored
-        self._responses.move_to_end(response_id)
-        while len(self._responses) > self.max_responses:
-            self._responses.popitem(last=False)
-
-    def get(self, response_id: str, scope: tuple[str, str] | None) -> StoredResponse | None:
-        stored = self._responses.get(response_id)
-        if stored is None or stored.scope != scope:
-            return None
-        self._responses.move_to_end(response_id)
-        return stored
-
-    def delete(self, response_id: str, scope: tuple[str, str] | None) -> bool:
-        if self.get(response_id, scope) is None:
-            return False
-        del self._responses[response_id]
-        return True
-
-    def __len__(self) -> int:
-        return len(self._responses)
+# ----------------------------------------------------------------------------- response
 
 
 def not_stored(response_id: str, param: str | None) -> APIError:
@@ -432,155 +379,42 @@ def output_items(output: list[dict]) -> list[Item]:
     return [ITEM_MODELS[item["type"]].model_validate(item) for item in output]
 
 
-# ----------------------------------------------------------------------------- response
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(12)}"
-
-
-def response_body(
+def response_object(
     response_id: str,
     req: ResponsesRequest,
     model: str,
     created_at: int,
     status: str,
-    output: list[dict],
-    usage: dict | None = None,
+    output: list[OutputItem],
+    tokens: tuple[int, int] | None = None,
     completed_at: int | None = None,
-) -> dict:
-    """The ``response`` object (``openai.types.responses.Response``)."""
-    return {
-        "id": response_id,
-        "object": "response",
-        "created_at": created_at,
-        "status": status,
-        "completed_at": completed_at,
-        "error": None,
-        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
-        "instructions": req.instructions,
-        "max_output_tokens": req.max_output_tokens,
-        "max_tool_calls": req.max_tool_calls,
-        "metadata": dict(req.metadata or {}),
-        "model": model,
-        "output": output,
-        "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
-        "previous_response_id": req.previous_response_id,
-        "reasoning": None,
-        "store": req.store is not False,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "text": req.text or {"format": {"type": "text"}},
-        "tool_choice": _dump(req.tool_choice) or "auto",
-        "tools": [tool.model_dump(exclude_none=True) for tool in req.tools or []],
-        "top_logprobs": req.top_logprobs,
-        "top_p": 1.0 if req.top_p is None else req.top_p,
-        "truncation": req.truncation or "disabled",
-        "usage": usage,
-        "user": None,
-    }
-
-
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
-        "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-        "output_tokens": completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+) -> Response:
+    """The ``response`` object for ``req``, its settings echoed; ``tokens``: (prompt, completion) once known."""
+    return Response(
+        id=response_id,
+        created_at=created_at,
+        status=status,
+        completed_at=completed_at,
+        incomplete_details=IncompleteDetails() if status == "incomplete" else None,
+        instructions=req.instructions,
+        max_output_tokens=req.max_output_tokens,
+        max_tool_calls=req.max_tool_calls,
+        metadata=dict(req.metadata or {}),
+        model=model,
+        output=output,
+        parallel_tool_calls=True if req.parallel_tool_calls is None else req.parallel_tool_calls,
+        previous_response_id=req.previous_response_id,
+        store=req.store is not False,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        text=req.text or {"format": {"type": "text"}},
+        tool_choice=_dump(req.tool_choice) or "auto",
+        tools=[tool.model_dump(exclude_none=True) for tool in req.tools or []],
+        top_logprobs=req.top_logprobs,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        truncation=req.truncation or "disabled",
+        usage=None if tokens is None else ResponseUsage.of(*tokens),
+    )
 
 
 def _dump(value: Any) -> Any:
     return value.model_dump() if isinstance(value, BaseModel) else value
-
-
-class OutputBuilder:
-    """One reply's parsed deltas -> Responses output items, and the stream events that build them.
-
-    ``feed`` takes what ``agl.chat.ToolCallParser`` returns (``{"content": ..}`` and
-    ``{"tool_calls": [..]}`` deltas; a reply parsed for no tools is all content) together with
-    the sampled tokens they came from, and returns events (without ``sequence_number``); the
-    non-streamed response is ``items`` after ``finish``. Tokens go with the first text they
-    released (their logprobs, if asked for, with it); tokens that wrote only a call have no
-    place in the Responses shape.
-    """
-
-    def __init__(self, logprobs: Callable[[Any], list[dict]] | None = None):
-        self.items: list[dict] = []
-        self._logprobs = logprobs  # tokens (an agl.chat.Delta) -> output_text logprob entries
-        self._open: dict | None = None  # the item still being written
-        self._pending: list[dict] = []  # logprobs of tokens whose text is not out yet
-
-    def feed(self, deltas: list[dict], tokens: Any = None) -> list[dict]:
-        if self._logprobs is not None and tokens is not None and tokens.token_ids:
-            self._pending += self._logprobs(tokens)
-        if not deltas:
-            return []
-        events: list[dict] = []
-        for delta in deltas:
-            if delta.get("content"):
-                events += self._text(delta["content"], self._pending)
-                self._pending = []
-            for call in delta.get("tool_calls") or []:
-                if "id" in call:
-                    events += self._open_call(call["id"], call["function"]["name"])
-                if call["function"].get("arguments"):
-                    events += self._arguments(call["function"]["arguments"])
-        self._pending = []  # tokens that wrote a call (or nothing the client sees)
-        return events
-
-    def finish(self, incomplete: bool) -> list[dict]:
-        """The reply ended (``incomplete``: cut by the token limit). An empty reply is an empty message."""
-        events = [] if self.items else self._open_message()
-        return events + self._close("incomplete" if incomplete else "completed")
-
-    # ------------------------------------------------------------------ items
-
-    def _index(self) -> int:
-        return len(self.items) - 1
-
-    def _text(self, text: str, logprobs: list[dict]) -> list[dict]:
-        events = [] if self._open is not None and self._open["type"] == "message" else self._close() + self._open_message()
-        part = self._open["content"][0]
-        part["text"] += text
-        if self._logprobs is not None:
-            part["logprobs"] += logprobs
-        head = {"item_id": self._open["id"], "output_index": self._index(), "content_index": 0}
-        return events + [{"type": "response.output_text.delta", **head, "delta": text, "logprobs": list(logprobs) if self._logprobs else []}]
-
-    def _open_message(self) -> list[dict]:
-        item = {"id": new_id("msg"), "type": "message", "role": "assistant", "status": "in_progress", "content": []}
-        self.items.append(item)
-        self._open = item
-        added = {"type": "response.output_item.added", "output_index": self._index(), "item": copy.deepcopy(item)}
-        item["content"].append({"type": "output_text", "text": "", "annotations": [], "logprobs": []})
-        head = {"item_id": item["id"], "output_index": self._index(), "content_index": 0}
-        return [added, {"type": "response.content_part.added", **head, "part": copy.deepcopy(item["content"][0])}]
-
-    def _open_call(self, call_id: str, name: str) -> list[dict]:
-        events = self._close()
-        item = {"id": new_id("fc"), "type": "function_call", "status": "in_progress", "call_id": call_id, "name": name, "arguments": ""}
-        self.items.append(item)
-        self._open = item
-        return events + [{"type": "response.output_item.added", "output_index": self._index(), "item": copy.deepcopy(item)}]
-
-    def _arguments(self, fragment: str) -> list[dict]:
-        self._open["arguments"] += fragment
-        return [{"type": "response.function_call_arguments.delta", "item_id": self._open["id"], "output_index": self._index(), "delta": fragment}]
-
-    def _close(self, status: str = "completed") -> list[dict]:
-        item, self._open = self._open, None
-        if item is None:
-            return []
-        item["status"] = status
-        index = self._index()
-        if item["type"] == "message":
-            part = item["content"][0]
-            head = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            events = [
-                {"type": "response.output_text.done", **head, "text": part["text"], "logprobs": copy.deepcopy(part["logprobs"])},
-                {"type": "response.content_part.done", **head, "part": copy.deepcopy(part)},
-            ]
-        else:
-            events = [{"type": "response.function_call_arguments.done", "item_id": item["id"], "output_index": index, "name": item["name"], "arguments": item["arguments"]}]
-        return events + [{"type": "response.output_item.done", "output_index": index, "item": copy.deepcopy(item)}]

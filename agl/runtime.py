@@ -50,6 +50,7 @@ class Runtime:
         self._policy = policy
         self.store: SqliteStore | None = None
         self.engine: Engine | None = None
+        self.frozen_engine: Engine | None = None  # the base model, for server.frozen_models
         self.server: ModelServer | None = None
         self.runners: RunnerPool | None = None
         self.processes: RunnerProcesses | None = None
@@ -68,15 +69,22 @@ class Runtime:
         await self.store.__aenter__()  # opens, reaps a dead previous process's attempts, starts the watchdog
         if self._policy is None:
             self._policy = await asyncio.to_thread(load_policy, cfg.model, cfg.device)
-        self.engine = Engine(
-            self.policy,
+        engine_options = dict(
             max_batch_size=cfg.engine.max_batch_size,
             max_prefill_tokens=cfg.engine.max_prefill_tokens,
             weights=cfg.engine.get("weights", "merged"),  # runs saved before the option existed
             batch_invariant=batch_invariant(cfg.engine.get("batch_invariant", "auto"), cfg.model.compute_dtype),
         )
+        self.engine = Engine(self.policy, **engine_options)
         await self.engine.start()
-        self.server = ModelServer(self.engine, self.policy, self.store, host=cfg.server.host, port=cfg.server.port, api_key=cfg.server.api_key, seed=cfg.seed)
+        frozen_names = list(cfg.server.get("frozen_models") or [])
+        if frozen_names:  # one engine on the base weights serves every frozen name; its dense copy is built on first use
+            self.frozen_engine = Engine(self.policy, adapter=False, **engine_options)
+            await self.frozen_engine.start()
+        self.server = ModelServer(
+            self.engine, self.policy, self.store, host=cfg.server.host, port=cfg.server.port, api_key=cfg.server.api_key, seed=cfg.seed,
+            frozen={name: self.frozen_engine for name in frozen_names},
+        )
         await self.server.start()
         entry = runner_entry(
             self.server.rollout_base_url("{rollout_id}", "{attempt_id}"), self.policy.name, cfg.server.api_key or "agl",
@@ -106,7 +114,7 @@ class Runtime:
             await self.store.set_run_info(RUNNERS_KEY, None)
         if self.runners is not None:
             await self.runners.__aexit__(None, None, None)
-        for part in (self.server, self.engine):
+        for part in (self.server, self.engine, self.frozen_engine):
             if part is not None:
                 await part.stop()
         if self.processes is not None:

@@ -2,12 +2,14 @@
 
 Agents talk to the policy through ``/v1/chat/completions``, ``/v1/completions`` and
 ``/v1/responses`` like any OpenAI endpoint. Under ``/rollout/{rollout_id}/attempt/{attempt_id}/v1``
-the same calls are also *recorded*: each sampled choice becomes one span in the store with the exact prompt
-token ids, sampled token ids, their log-probs and the policy version that sampled them, which
-is what the trainer learns from. Unscoped ``/v1`` calls are served but not recorded, unless the
-server is made with ``record_unscoped=True`` (``algo=serve``): then each one is recorded the same
-way, as a rollout of its own (``metadata={"served": "chat"}`` or ``"completion"``, no mode, no
-input: the span holds the request) whose one attempt succeeds once its spans are stored.
+the same calls are also *recorded*: each sampled choice becomes one span with the exact token
+ids and log-probs the trainer learns from (``agl.recording``). Unscoped ``/v1`` calls are served
+but not recorded, unless the server is made with ``record_unscoped=True`` (``algo=serve``).
+
+This module is the transport: routes, auth, OpenAI-style errors, streaming, disconnects, and
+calling the engine. Requests are parsed by ``agl.openai_schema`` and answered with the models of
+``agl.openai_wire``; prompts are rendered by ``agl.chat`` (``agl.tool_prompt`` for tools), and
+Responses calls translated to chat calls by ``agl.responses``.
 
 Why in-process: the server runs as a task on the caller's event loop (``uvicorn.Server.serve``),
 next to the engine and the store. No second process, no IPC, and the trainer can pause the
@@ -58,24 +60,25 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import json
 import logging
-import math
 import secrets
 import socket
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agl import responses, tool_prompt
-from agl.chat import Delta, History, OutputAssembler, ToolCallParser, Turn, decode, render_prompt, template_messages
-from agl.engine import SamplingParams, SequenceStream
+from agl.chat import Delta, OutputAssembler, ToolCallParser, decode, render_prompt, template_messages
+from agl.engine import SamplingParams
 from agl.openai_schema import (
     APIError,
     ChatCompletionRequest,
@@ -88,16 +91,17 @@ from agl.openai_schema import (
     parse_request,
     unauthorized,
 )
-from agl.responses import OutputBuilder, ResponsesRequest, ResponseStore, StoredResponse
+from agl.openai_wire import Answer, DeletedResponse, ErrorEvent, ModelCard, ModelList, OutputBuilder, ResponseEvent, chat_logprobs, new_id
+from agl.openai_wire import Response as ResponseObject
+from agl.recording import Call, Choice, Recorder, ResponseStore, StoredResponse
+from agl.responses import ResponsesRequest
 from agl.seeding import CallCounter, call_seed
 from agl.store.rules import charged_attempt_number
-from agl.types import Span
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_TOKENS = 1024
 FINISHED_ATTEMPT_STATUSES = ("succeeded", "failed", "timeout")  # an "unresponsive" attempt may come back
-MIN_LOGPROB = -9999.0  # what OpenAI reports for impossible tokens; JSON has no -Infinity
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -106,47 +110,6 @@ class _EmbeddedUvicorn(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
         yield
-
-
-@dataclasses.dataclass
-class _Choice:
-    index: int
-    stream: SequenceStream
-    out: OutputAssembler
-    finish_reason: str | None = None
-    content: str | None = None
-    tool_calls: list[dict] = dataclasses.field(default_factory=list)
-    tools: ToolCallParser | None = None  # set when the reply is parsed for tool calls
-    pending: Delta | None = None  # streamed tokens whose text the tool parser still holds back
-
-
-@dataclasses.dataclass
-class _Call:
-    """Everything about one generation request that the response and the spans need."""
-
-    kind: str  # "chat" | "completion"
-    req: ChatCompletionRequest | CompletionRequest
-    prompt_ids: list[int]
-    scope: tuple[str, str] | None  # (rollout_id, attempt_id) when recorded
-    tools: list[dict] | None  # tools given to the template (and parsed back), if any
-    reused_tokens: int
-    seed: int | None  # the request's own, or derived for a rollout call (None: unscoped, unseeded)
-    received_at: float  # perf_counter at arrival
-    received_wall: float  # time.time() at arrival
-    template: str | None = None  # chat: which template rendered the prompt (agl.tool_prompt.MODEL / BUILTIN)
-    forced_ids: list[int] = dataclasses.field(default_factory=list)  # the prompt's last ids: a forced reply start
-    forced_text: str = ""  # their text, where the parsed reply begins
-    api_request: dict | None = None  # a Responses call: its id, previous_response_id, metadata (recorded)
-    id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(12))
-    choices: list[_Choice] = dataclasses.field(default_factory=list)
-
-    @property
-    def completion_tokens(self) -> int:
-        return sum(len(c.out.token_ids) for c in self.choices)
-
-    def usage(self) -> dict:
-        prompt = len(self.prompt_ids)
-        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens, "total_tokens": prompt + self.completion_tokens}
 
 
 class _ClientGone(Exception):
@@ -174,6 +137,7 @@ class ModelServer:
         default_max_tokens: int = DEFAULT_MAX_TOKENS,
         seed: int = 0,
         model_names: Sequence[str] = (),
+        frozen: Mapping[str, Any] | None = None,
         max_stored_responses: int = 1024,
         record_unscoped: bool = False,
     ):
@@ -185,14 +149,13 @@ class ModelServer:
         self.api_key = api_key
         self.default_max_tokens = default_max_tokens
         self.seed = seed  # the run seed: rollout calls without a seed of their own derive one from it
-        # what requests may name in `model`: the policy, and names registered for it (e.g. helper models)
-        self.model_names = tuple(dict.fromkeys([policy.name, *model_names]))
-        self.history = History()
+        # frozen helper models: name -> an engine sampling the base model (adapter off; agl.merged)
+        self.frozen = dict(frozen or {})
+        # what requests may name in `model`: the policy, its frozen helpers, and names registered for the policy
+        self.model_names = tuple(dict.fromkeys([policy.name, *self.frozen, *model_names]))
+        self.recorder = Recorder(store, policy, record_unscoped, frozen_names=self.frozen)
         self.responses = ResponseStore(max_stored_responses)  # for previous_response_id (Responses API)
         self.call_numbers = CallCounter()
-        if record_unscoped and store is None:
-            raise ValueError("record_unscoped needs a store to record into")
-        self.record_unscoped = record_unscoped  # /v1 calls too: each one a rollout of its own
         self.app = self._build_app()
         self._server: _EmbeddedUvicorn | None = None
         self._task: asyncio.Task | None = None
@@ -288,13 +251,7 @@ class ModelServer:
         }
 
     async def _models(self) -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {"id": name, "object": "model", "created": 0, "owned_by": "agl", "max_model_len": self.policy.context_length}
-                for name in self.model_names
-            ],
-        }
+        return ModelList(data=[ModelCard(id=name, max_model_len=self.policy.context_length) for name in self.model_names]).model_dump()
 
     # ------------------------------------------------------------------ endpoints
 
@@ -308,12 +265,12 @@ class ModelServer:
 
     async def _chat_call(
         self, req: ChatCompletionRequest, scope: tuple[str, str] | None, seed: int | None, received_at: float, received_wall: float
-    ) -> _Call:
+    ) -> Call:
         """A chat request rendered to prompt ids (tool prompt, exact prefixes, forced reply start)."""
         use_tools = bool(req.tools) and req.tool_choice != "none"
         tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if use_tools else None
         messages = template_messages(req.messages)
-        turns = await self._turns(scope) if scope else ()
+        turns = await self.recorder.turns(scope) if scope and req.model not in self.frozen else ()
         template = tool_prompt.MODEL
         if tool_prompt.needs_builtin(self.policy.supports_tools, messages, tools):
             messages, template = tool_prompt.builtin_messages(messages, tools, [t.reply_text for t in turns]), tool_prompt.BUILTIN
@@ -323,7 +280,7 @@ class ModelServer:
             raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from None
         forced_text = tool_prompt.forced_prefix(req.tool_choice_json) if use_tools else ""
         forced = self.policy.tokenizer.encode(forced_text, add_special_tokens=False) if forced_text else []
-        return _Call(
+        return Call(
             "chat", req, prompt.ids + forced, scope, tools, prompt.reused, seed, received_at, received_wall,
             template=template, forced_ids=forced, forced_text=decode(self.policy.tokenizer, forced),
         )
@@ -342,7 +299,7 @@ class ModelServer:
             prompt_ids = list(req.prompt)
         if not prompt_ids:
             raise bad_request("The prompt is empty.", param="prompt")
-        call = _Call("completion", req, list(prompt_ids), scope, None, 0, seed, received_at, received_wall)
+        call = Call("completion", req, list(prompt_ids), scope, None, 0, seed, received_at, received_wall)
         return await self._generate(request, call)
 
     async def _responses(self, request: Request) -> Response:
@@ -359,7 +316,7 @@ class ModelServer:
         items = previous + responses.parse_items(req.input)
         chat_req = responses.to_chat_request(req, items, first_new=len(previous))
         scope, seed = await self._check_scope(request, req.seed)
-        response_id = responses.new_id("resp")
+        response_id = new_id("resp")
         try:
             call = await self._chat_call(chat_req, scope, seed, received_at, received_wall)
             call.api_request = {"api": "responses", "id": response_id, "previous_response_id": req.previous_response_id, "metadata": req.metadata, "store": req.store is not False}
@@ -367,7 +324,7 @@ class ModelServer:
         except APIError as exc:
             raise responses.for_responses(exc) from None
         state = _ResponseState(response_id, req, items, int(received_wall))
-        builder = OutputBuilder((lambda delta: self._logprobs(call, delta)["content"]) if chat_req.logprobs else None)
+        builder = OutputBuilder((lambda delta: chat_logprobs(self.policy.tokenizer, delta).content) if chat_req.logprobs else None)
         if req.stream:
             return StreamingResponse(self._responses_sse(call, state, builder), media_type="text/event-stream")
         try:
@@ -376,7 +333,7 @@ class ModelServer:
             return Response(status_code=499)
         finally:
             call.choices[0].stream.cancel()
-        return JSONResponse(await self._finish_response(call, state, builder))
+        return JSONResponse((await self._finish_response(call, state, builder)).model_dump())
 
     async def _get_response(self, request: Request, response_id: str) -> dict:
         stored = self.responses.get(response_id, _scope_key(request))
@@ -387,7 +344,11 @@ class ModelServer:
     async def _delete_response(self, request: Request, response_id: str) -> dict:
         if not self.responses.delete(response_id, _scope_key(request)):
             raise responses.not_stored(response_id, None)
-        return {"id": response_id, "object": "response", "deleted": True}
+        return DeletedResponse(id=response_id).model_dump()
+
+    def _served_name(self, model: str | None) -> str:
+        """The model name an answer carries: the frozen helper's that was asked for, else the policy's."""
+        return model if model in self.frozen else self.policy.name
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
@@ -416,62 +377,26 @@ class ModelServer:
             seed = call_seed(self.seed, rollout_id, charged_attempt_number(attempts, attempt), call_number)
         return scope, seed
 
-    async def _turns(self, scope: tuple[str, str]) -> list[Turn]:
-        """Earlier turns of this attempt: from memory, else (e.g. after a restart) from its spans."""
-        turns = self.history.get(scope)
-        if turns is None:
-            calls = [
-                s for s in await self.store.query_spans(*scope)
-                if s.name == "llm.chat" and s.prompt_token_ids and s.response_token_ids is not None
-            ]
-            turns = [_turn_of(self.policy.tokenizer, s) for s in calls[-self.history.turns_per_attempt:]]  # the last chat turns
-            self.history.load(scope, turns)
-        return turns
+    # ------------------------------------------------------------------ generation, chat and text completions
 
-    # ------------------------------------------------------------------ generation
-
-    def _sampling_params(self, call: _Call) -> SamplingParams:
-        req, prompt_len, context = call.req, len(call.prompt_ids), self.policy.context_length
-        room = context - prompt_len
-        if req.token_limit is None:
-            if room < 1:
-                raise bad_request(
-                    f"The prompt has {prompt_len} tokens, which leaves no room in the model's context length of {context} tokens.",
-                    param="messages" if call.kind == "chat" else "prompt",
-                    code="context_length_exceeded",
-                )
-            max_tokens = min(self.default_max_tokens, room)
-        elif prompt_len + req.token_limit > context:
-            raise bad_request(
-                f"This model's maximum context length is {context} tokens. However, you requested "
-                f"{prompt_len + req.token_limit} tokens ({prompt_len} in the prompt, {req.token_limit} in the completion).",
-                param="max_tokens",
-                code="context_length_exceeded",
-            )
-        else:
-            max_tokens = req.token_limit
-        if req.n > self.engine.max_batch_size:
-            raise bad_request(f"n={req.n} exceeds the engine's batch size ({self.engine.max_batch_size}).", param="n")
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            seed=call.seed,
-            top_logprobs=req.n_top_logprobs,
-            ignore_eos=req.ignore_eos,
-        )
-
-    def _submit(self, call: _Call) -> None:
+    def _submit(self, call: Call) -> None:
         """Check the token budget, submit the call's sequences to the engine and set up its choices."""
-        params = self._sampling_params(call)
-        streams = self.engine.submit(call.prompt_ids, params, n=call.req.n)
-        tokenizer, stops = self.policy.tokenizer, call.req.stop_strings
+        req = call.req
+        max_tokens = req.completion_budget(len(call.prompt_ids), self.policy.context_length, self.default_max_tokens)
+        engine = self.frozen.get(req.model, self.engine)
+        if req.n > engine.max_batch_size:
+            raise bad_request(f"n={req.n} exceeds the engine's batch size ({engine.max_batch_size}).", param="n")
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=call.seed, top_logprobs=req.n_top_logprobs, ignore_eos=req.ignore_eos
+        )
+        streams = engine.submit(call.prompt_ids, params, n=req.n)
+        tokenizer = self.policy.tokenizer
         call.choices = [
-            _Choice(i, s, OutputAssembler(tokenizer, stops, s.stop_ids, top_logprobs=params.top_logprobs > 0), tools=ToolCallParser() if call.tools else None)
+            Choice(i, s, OutputAssembler(tokenizer, req.stop_strings, s.stop_ids, top_logprobs=params.top_logprobs > 0), tools=ToolCallParser() if call.tools else None)
             for i, s in enumerate(streams)
         ]
 
-    async def _generate(self, request: Request, call: _Call) -> Response:
+    async def _generate(self, request: Request, call: Call) -> Response:
         self._submit(call)
         if call.req.stream:
             return StreamingResponse(self._sse(call), media_type="text/event-stream")
@@ -486,10 +411,10 @@ class ModelServer:
             if choice.tools is not None:
                 choice.tools.feed(call.forced_text + choice.out.text)
                 self._settle_tools(choice)
-        await self._record(call)
-        return JSONResponse(self._response(call))
+        await self.recorder.record(call)
+        return JSONResponse(Answer(call, self._served_name(call.req.model), self.policy.tokenizer).whole().model_dump())
 
-    async def _run_choice(self, call: _Call, choice: _Choice, on_delta: Callable[[_Choice, Delta], Awaitable[None]] | None = None) -> None:
+    async def _run_choice(self, call: Call, choice: Choice, on_delta: Callable[[Choice, Delta], Awaitable[None]] | None = None) -> None:
         """Consume one sequence's tokens until it ends or a stop string matches."""
         out = choice.out
         async for event in choice.stream:
@@ -504,12 +429,61 @@ class ModelServer:
         if not out.stop_matched:
             await choice.stream.wait()
             out.finish()
+        if choice.stream.finish_reason == "error":
+            raise APIError(500, f"The engine failed while generating this reply: {choice.stream.error}", "server_error", code="engine_error")
         if choice.stream.finish_reason == "abort" and not out.stop_matched:
             raise APIError(503, "The engine stopped before this request finished.", "server_error", code="engine_stopped")
         choice.finish_reason = "stop" if out.stop_matched else choice.stream.finish_reason
         choice.content = out.text
 
-    async def _run_response(self, call: _Call, builder: OutputBuilder, emit: Callable[[list[dict]], Awaitable[None]] | None = None) -> None:
+    @staticmethod
+    def _settle_tools(choice: Choice) -> list[dict]:
+        """The reply's text is all fed to its tool parser: take the content and calls from it."""
+        deltas = choice.tools.finish()
+        choice.content, choice.tool_calls = choice.tools.content, choice.tools.calls
+        if choice.tool_calls and not choice.tools.cut_in_call:  # a call cut short by max_tokens stays "length"
+            choice.finish_reason = "tool_calls"
+        return deltas
+
+    async def _sse(self, call: Call) -> AsyncIterator[str]:
+        """Server-sent events of a streamed call; its choices run concurrently."""
+        answer = Answer(call, self._served_name(call.req.model), self.policy.tokenizer)
+
+        async def run(choice: Choice, put: Callable[[BaseModel], Awaitable[None]]) -> None:
+            async def emit(choice: Choice, delta: Delta) -> None:
+                for chunk in answer.chunks(choice, delta, None if choice.tools is None else choice.tools.feed(delta.text)):
+                    await put(chunk)
+
+            if choice.tools is not None and call.forced_text:  # forced text: its deltas come first
+                await emit(choice, Delta(call.forced_text, [], [], None if choice.out.top_logprobs is None else []))
+            await self._run_choice(call, choice, emit)
+            final = choice.out.release(final=True)
+            chunks = [] if choice.tools is None else answer.chunks(choice, final, choice.tools.feed(final.text) + self._settle_tools(choice))
+            for chunk in chunks + [answer.last(choice, final)]:
+                await put(chunk)
+
+        try:
+            for choice in call.choices:
+                yield _sse_line(answer.opening(choice))  # the role / first chunk
+            async with contextlib.aclosing(_interleaved([functools.partial(run, choice) for choice in call.choices])) as chunks:
+                async for chunk in chunks:
+                    yield _sse_line(chunk)
+            await self.recorder.record(call)
+            if call.req.include_usage:
+                yield _sse_line(answer.usage_chunk())
+            yield "data: [DONE]\n\n"
+        except APIError as exc:
+            yield _sse_line(exc.body())
+        except Exception as exc:
+            log.exception("unexpected error while streaming")
+            yield _sse_line(error_body(f"Internal server error: {type(exc).__name__}: {exc}", "server_error"))
+        finally:
+            for choice in call.choices:
+                choice.stream.cancel()
+
+    # ------------------------------------------------------------------ the Responses API
+
+    async def _run_response(self, call: Call, builder: OutputBuilder, emit: Callable[[list[dict]], Awaitable[None]] | None = None) -> None:
         """Run a Responses call's one choice, building its output items; ``emit`` gets the stream events."""
         choice = call.choices[0]
 
@@ -518,7 +492,7 @@ class ModelServer:
                 return choice.tools.feed(text)
             return [{"content": text}] if text else []
 
-        async def on_delta(_: _Choice, delta: Delta) -> None:
+        async def on_delta(_: Choice, delta: Delta) -> None:
             events = builder.feed(parsed(delta.text), delta)
             if emit is not None and events:
                 await emit(events)
@@ -532,292 +506,44 @@ class ModelServer:
         if emit is not None:
             await emit(events)
 
-    async def _finish_response(self, call: _Call, state: "_ResponseState", builder: OutputBuilder) -> dict:
+    async def _finish_response(self, call: Call, state: _ResponseState, builder: OutputBuilder) -> ResponseObject:
         """Record the call, build the final response object and keep it for ``previous_response_id``."""
-        await self._record(call)
+        await self.recorder.record(call)
         completed = call.choices[0].finish_reason != "length"
-        body = responses.response_body(
-            state.id, state.req, self.policy.name, state.created_at, "completed" if completed else "incomplete", builder.items,
-            responses.usage(len(call.prompt_ids), call.completion_tokens), completed_at=int(time.time()) if completed else None,
+        response = responses.response_object(
+            state.id, state.req, self._served_name(state.req.model), state.created_at, "completed" if completed else "incomplete", builder.output,
+            (len(call.prompt_ids), call.completion_tokens), completed_at=int(time.time()) if completed else None,
         )
         if state.req.store is not False:
-            self.responses.put(state.id, StoredResponse(call.scope, state.items, responses.output_items(builder.items), body))
-        return body
+            body = response.model_dump()
+            self.responses.put(state.id, StoredResponse(call.scope, state.items, responses.output_items(body["output"]), body))
+        return response
 
-    async def _responses_sse(self, call: _Call, state: "_ResponseState", builder: OutputBuilder) -> AsyncIterator[str]:
+    async def _responses_sse(self, call: Call, state: _ResponseState, builder: OutputBuilder) -> AsyncIterator[str]:
         """A Responses stream: created, in_progress, the output items' events, then completed (or incomplete)."""
         numbers = itertools.count()
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
 
-        def event(body: dict) -> str:
-            body = {**body, "sequence_number": next(numbers)}
+        def event(body: BaseModel | dict) -> str:
+            body = {**(body.model_dump() if isinstance(body, BaseModel) else body), "sequence_number": next(numbers)}
             return f"event: {body['type']}\n{_sse_line(body)}"
 
-        async def run() -> None:
-            try:
-                await self._run_response(call, builder, queue.put)
-            except Exception as exc:
-                await queue.put(exc)
-            finally:
-                await queue.put(done)
-
-        task = None
         try:
-            opening = responses.response_body(state.id, state.req, self.policy.name, state.created_at, "in_progress", [])
-            yield event({"type": "response.created", "response": opening})
-            yield event({"type": "response.in_progress", "response": opening})
-            task = asyncio.create_task(run())
-            while (item := await queue.get()) is not done:
-                if isinstance(item, Exception):
-                    raise item
-                for body in item:
-                    yield event(body)
+            opening = responses.response_object(state.id, state.req, self._served_name(state.req.model), state.created_at, "in_progress", [])
+            yield event(ResponseEvent(type="response.created", response=opening))
+            yield event(ResponseEvent(type="response.in_progress", response=opening))
+            async with contextlib.aclosing(_interleaved([functools.partial(self._run_response, call, builder)])) as batches:
+                async for batch in batches:
+                    for body in batch:
+                        yield event(body)
             final = await self._finish_response(call, state, builder)
-            yield event({"type": f"response.{final['status']}", "response": final})
+            yield event(ResponseEvent(type=f"response.{final.status}", response=final))
         except APIError as exc:
-            yield event({"type": "error", "code": exc.code or exc.type, "message": exc.message, "param": exc.param})
+            yield event(ErrorEvent(code=exc.code or exc.type, message=exc.message, param=exc.param))
         except Exception as exc:
             log.exception("unexpected error while streaming a response")
-            yield event({"type": "error", "code": "server_error", "message": f"Internal server error: {type(exc).__name__}: {exc}", "param": None})
+            yield event(ErrorEvent(code="server_error", message=f"Internal server error: {type(exc).__name__}: {exc}", param=None))
         finally:
-            if task is not None:
-                task.cancel()
             call.choices[0].stream.cancel()
-
-    @staticmethod
-    def _settle_tools(choice: _Choice) -> list[dict]:
-        """The reply's text is all fed to its tool parser: take the content and calls from it."""
-        deltas = choice.tools.finish()
-        choice.content, choice.tool_calls = choice.tools.content, choice.tools.calls
-        if choice.tool_calls and not choice.tools.cut_in_call:  # a call cut short by max_tokens stays "length"
-            choice.finish_reason = "tool_calls"
-        return deltas
-
-    async def _sse(self, call: _Call) -> AsyncIterator[str]:
-        """Server-sent events of a streamed call; choices run concurrently into one queue."""
-        queue: asyncio.Queue = asyncio.Queue()
-        done = object()
-
-        async def emit(choice: _Choice, delta: Delta) -> None:
-            if choice.tools is None:
-                await queue.put(self._chunk(call, choice, delta, finish_reason=None))
-            else:
-                for chunk in self._tool_chunks(call, choice, delta, choice.tools.feed(delta.text)):
-                    await queue.put(chunk)
-
-        async def run(choice: _Choice) -> None:
-            try:
-                if choice.tools is not None and call.forced_text:  # forced text: its deltas come first
-                    await emit(choice, Delta(call.forced_text, [], [], None if choice.out.top_logprobs is None else []))
-                await self._run_choice(call, choice, emit)
-                final = choice.out.release(final=True)
-                if choice.tools is None:
-                    await queue.put(self._chunk(call, choice, final, choice.finish_reason))
-                else:
-                    deltas = choice.tools.feed(final.text) + self._settle_tools(choice)
-                    for chunk in self._tool_chunks(call, choice, final, deltas):
-                        await queue.put(chunk)
-                    await queue.put(self._chunk(call, choice, choice.pending or _no_tokens(final), choice.finish_reason, message={}))
-            except Exception as exc:
-                await queue.put(exc)
-            finally:
-                await queue.put(done)
-
-        tasks = []
-        try:
-            for choice in call.choices:
-                yield _sse_line(self._chunk(call, choice, None, None))  # the role / first chunk
-            tasks = [asyncio.create_task(run(choice)) for choice in call.choices]
-            remaining = len(tasks)
-            while remaining:
-                item = await queue.get()
-                if item is done:
-                    remaining -= 1
-                elif isinstance(item, Exception):
-                    raise item
-                else:
-                    yield _sse_line(item)
-            await self._record(call)
-            if call.req.include_usage:
-                yield _sse_line({**self._envelope(call, chunk=True), "choices": [], "usage": call.usage()})
-            yield "data: [DONE]\n\n"
-        except APIError as exc:
-            yield _sse_line(exc.body())
-        except Exception as exc:
-            log.exception("unexpected error while streaming")
-            yield _sse_line(error_body(f"Internal server error: {type(exc).__name__}: {exc}", "server_error"))
-        finally:
-            for task in tasks:
-                task.cancel()
-            for choice in call.choices:
-                choice.stream.cancel()
-
-    # ------------------------------------------------------------------ responses
-
-    def _envelope(self, call: _Call, chunk: bool = False) -> dict:
-        if call.kind == "chat":
-            obj, prefix = ("chat.completion.chunk" if chunk else "chat.completion"), "chatcmpl-"
-        else:
-            obj, prefix = "text_completion", "cmpl-"
-        return {"id": prefix + call.id, "object": obj, "created": int(call.received_wall), "model": self.policy.name}
-
-    def _response(self, call: _Call) -> dict:
-        choices = []
-        for choice in call.choices:
-            out = choice.out
-            delta = Delta(choice.content or "", out.token_ids, out.logprobs, out.top_logprobs)
-            if call.kind == "chat":
-                message: dict[str, Any] = {"role": "assistant", "content": choice.content}
-                if choice.tool_calls:
-                    message["tool_calls"] = choice.tool_calls
-                item = {"index": choice.index, "message": message, "logprobs": self._logprobs(call, delta), "finish_reason": choice.finish_reason}
-            else:
-                item = {"index": choice.index, "text": out.text, "logprobs": self._logprobs(call, delta), "finish_reason": choice.finish_reason}
-            if call.req.return_token_ids:
-                item["token_ids"] = out.token_ids
-            choices.append(item)
-        body = {**self._envelope(call), "choices": choices, "usage": call.usage()}
-        if call.req.return_token_ids:
-            body["prompt_token_ids"] = call.prompt_ids
-        return body
-
-    def _tool_chunks(self, call: _Call, choice: _Choice, delta: Delta, messages: list[dict]) -> list[dict]:
-        """One chunk per tool-parser delta (content, a call, an argument fragment); the tokens
-        consumed so far travel with the first. Tokens whose text is still held back wait."""
-        tokens = delta if choice.pending is None else _joined(choice.pending, delta)
-        if not messages:
-            choice.pending = tokens
-            return []
-        choice.pending = None
-        return [self._chunk(call, choice, tokens if i == 0 else _no_tokens(tokens), None, message) for i, message in enumerate(messages)]
-
-    def _chunk(self, call: _Call, choice: _Choice, delta: Delta | None, finish_reason: str | None, message: dict | None = None) -> dict:
-        """One streamed chunk; ``delta=None`` is the opening chunk of a choice. ``message``
-        replaces the chat delta's ``{"content": delta.text}`` (tool calls)."""
-        body = self._envelope(call, chunk=True)
-        if call.kind == "chat":
-            if delta is None:
-                content: dict[str, Any] = {"role": "assistant", "content": ""}
-            elif message is not None:
-                content = message
-            else:
-                content = {"content": delta.text}
-            item = {"index": choice.index, "delta": content}
-        else:
-            item = {"index": choice.index, "text": delta.text if delta else ""}
-        item["logprobs"] = self._logprobs(call, delta) if delta else None
-        item["finish_reason"] = finish_reason
-        if call.req.return_token_ids:
-            item["token_ids"] = delta.token_ids if delta else []
-            if delta is None and choice.index == 0:
-                body["prompt_token_ids"] = call.prompt_ids
-        body["choices"] = [item]
-        return body
-
-    def _logprobs(self, call: _Call, delta: Delta) -> dict | None:
-        """OpenAI's logprobs object for the tokens of ``delta`` (chat or legacy completion shape)."""
-        if not call.req.wants_logprobs:
-            return None
-        tokenizer = self.policy.tokenizer
-        texts = [decode(tokenizer, [t]) for t in delta.token_ids]
-        tops = delta.top_logprobs or [[] for _ in delta.token_ids]
-        if call.kind == "chat":
-            return {
-                "content": [
-                    {
-                        "token": text,
-                        "logprob": _finite(lp),
-                        "bytes": list(text.encode()),
-                        "top_logprobs": [
-                            {"token": (alt := decode(tokenizer, [tid])), "logprob": _finite(alp), "bytes": list(alt.encode())} for tid, alp in top
-                        ],
-                    }
-                    for text, lp, top in zip(texts, delta.logprobs, tops)
-                ],
-                "refusal": None,
-            }
-        offsets, position = [], 0
-        for text in texts:
-            offsets.append(position)
-            position += len(text)
-        return {
-            "tokens": texts,
-            "token_logprobs": [_finite(lp) for lp in delta.logprobs],
-            "top_logprobs": [{decode(tokenizer, [tid]): _finite(alp) for tid, alp in top} for top in tops] if call.req.n_top_logprobs else None,
-            "text_offset": offsets,
-        }
-
-    # ------------------------------------------------------------------ recording
-
-    async def _record(self, call: _Call) -> None:
-        """One span per choice (same trace_id) for a rollout call; remember chat turns for prefix reuse.
-
-        An unscoped call is recorded only with ``record_unscoped``, into a rollout made for it now
-        (nothing is made for a call that failed or whose client left), and finished right after.
-        """
-        if call.scope is None and not self.record_unscoped:
-            return
-        if call.scope is None:
-            served = await self.store.start_rollout(input=None, metadata={"served": call.kind})
-            rollout_id, attempt_id = served.rollout_id, served.attempt.attempt_id
-        else:
-            rollout_id, attempt_id = call.scope
-        req = call.req
-        sampling = {
-            "max_tokens": call.choices[0].stream.params.max_tokens,
-            "temperature": req.temperature,
-            "top_p": req.top_p,
-            "n": req.n,
-            "seed": call.seed,
-            "seed_from": "request" if req.seed is not None else "derived" if call.seed is not None else "engine",  # engine: its shared generator (unscoped)
-            "stop": req.stop_strings,
-            "top_logprobs": req.n_top_logprobs,
-            "ignore_eos": req.ignore_eos,
-        }
-        if call.kind == "chat":
-            request = {"messages": [m.model_dump(exclude_none=True) for m in req.messages], "tools": call.tools, "tool_choice": req.tool_choice_json, "sampling": sampling}
-            if call.api_request is not None:
-                request["responses"] = call.api_request
-        else:
-            request = {"prompt": req.prompt, "sampling": sampling}
-        trace_id = secrets.token_hex(16)
-        prompt_text = decode(self.policy.tokenizer, call.prompt_ids) if call.kind == "chat" else ""
-        for choice in call.choices:
-            stream, out = choice.stream, choice.out
-            attributes = {
-                "policy_version": stream.policy_version,
-                "model": self.policy.name,
-                "request": request,
-                "choice_index": choice.index,
-                "finish_reason": choice.finish_reason,
-                "stop_string": out.stop_matched,
-                "response_text": out.text,
-                "tool_calls": choice.tool_calls or None,
-                "usage": {"prompt_tokens": len(call.prompt_ids), "completion_tokens": len(out.token_ids)},
-                "prompt_reused_tokens": call.reused_tokens,
-                "timings": _timings(call, stream),
-            }
-            if call.kind == "chat":
-                attributes["chat_template"] = call.template
-                attributes["forced_tokens"] = len(call.forced_ids)
-            span = Span(
-                rollout_id=rollout_id,
-                attempt_id=attempt_id,
-                trace_id=trace_id,
-                name=f"llm.{call.kind}",
-                start_time=call.received_wall,
-                end_time=call.received_wall + ((stream.finished_at or time.perf_counter()) - call.received_at),
-                attributes=attributes,
-                prompt_token_ids=call.prompt_ids,
-                response_token_ids=out.token_ids,
-                response_logprobs=out.logprobs,
-            )
-            await self.store.add_span(span)
-            if call.kind == "chat" and call.scope is not None:
-                self.history.add(call.scope, Turn(call.prompt_ids, out.token_ids, prompt_text, call.forced_text + out.text))
-        if call.scope is None:
-            await self.store.update_attempt(rollout_id, attempt_id, status="succeeded")
 
 
 @dataclasses.dataclass
@@ -836,42 +562,38 @@ def _scope_key(request: Request) -> tuple[str, str] | None:
     return None if rollout_id is None else (rollout_id, request.path_params["attempt_id"])
 
 
-def _turn_of(tokenizer: Any, span: Span) -> Turn:
-    """The turn a recorded chat span was: its reply text is its forced tokens' text + the returned text."""
-    forced = span.attributes.get("forced_tokens") or 0
-    reply = (decode(tokenizer, span.prompt_token_ids[-forced:]) if forced else "") + (span.attributes.get("response_text") or "")
-    return Turn(list(span.prompt_token_ids), list(span.response_token_ids), decode(tokenizer, span.prompt_token_ids), reply)
+def _sse_line(obj: BaseModel | dict) -> str:
+    return f"data: {json.dumps(obj.model_dump() if isinstance(obj, BaseModel) else obj, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
-def _joined(first: Delta, then: Delta) -> Delta:
-    tops = None if first.top_logprobs is None else first.top_logprobs + (then.top_logprobs or [])
-    return Delta(first.text + then.text, first.token_ids + then.token_ids, first.logprobs + then.logprobs, tops)
+async def _interleaved(jobs: Sequence[Callable[[Callable[[Any], Awaitable[None]]], Awaitable[None]]]) -> AsyncIterator[Any]:
+    """Run ``jobs`` concurrently, each called with a ``put`` for its items; yield the items as they
+    come. A job's exception is raised here; closing the iterator cancels the jobs."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
 
+    async def run(job: Callable[[Callable[[Any], Awaitable[None]]], Awaitable[None]]) -> None:
+        try:
+            await job(queue.put)
+        except Exception as exc:
+            await queue.put(exc)
+        finally:
+            await queue.put(done)
 
-def _no_tokens(like: Delta) -> Delta:
-    return Delta("", [], [], None if like.top_logprobs is None else [])
-
-
-def _timings(call: _Call, stream: SequenceStream) -> dict:
-    """Seconds: render (arrival -> submit), queue (submit -> prefill starts), prefill (-> first token), total."""
-    end = stream.finished_at or time.perf_counter()
-    first = stream.first_token_at
-    admitted = getattr(stream, "admitted_at", None)
-    return {
-        "render_s": stream.submitted_at - call.received_at,
-        "queue_s": None if admitted is None else admitted - stream.submitted_at,
-        "prefill_s": None if admitted is None or first is None else first - admitted,
-        "first_token_s": None if first is None else first - stream.submitted_at,
-        "total_s": end - call.received_at,
-    }
-
-
-def _finite(logprob: float) -> float:
-    return logprob if math.isfinite(logprob) else MIN_LOGPROB
-
-
-def _sse_line(obj: dict) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
+    tasks = [asyncio.create_task(run(job)) for job in jobs]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 async def _unless_disconnected(request: Request, work: Awaitable) -> Any:

@@ -70,3 +70,23 @@ def test_only_linear_layers_are_replaced_everything_else_is_shared(policy):
     assert merged.model.norm is source.model.norm
     assert not any(t.is_meta for t in [*merged.parameters(), *merged.buffers()])
     assert not any(p.requires_grad for p in merged.parameters() if p is not source.get_input_embeddings().weight)
+
+
+@pytest.mark.parametrize("vocabulary_lora", [False, True], ids=["linear-lora", "with-embedding-and-head-lora"])
+def test_the_frozen_base_sampler_ignores_the_adapter_and_its_updates(tiny_model_cfg, vocabulary_lora):
+    """``lora=False`` (the route's helper models): the base model, however the LoRA is trained,
+    without touching the policy's own adapter switch."""
+    cfg = tiny_model_cfg.copy()
+    cfg.tiny.tie_word_embeddings = not vocabulary_lora  # an untied head can carry its own LoRA
+    cfg.lora.train_embeddings = cfg.lora.train_head = vocabulary_lora
+    policy = load_policy(cfg, "cpu")
+    policy.model.eval()
+    frozen = MergedSampler(policy.model, policy.compute_dtype, lora=False)
+    for _ in range(2):
+        optimizer_step(policy)
+    with policy.reference():
+        base = logits(policy.model)
+    trained = logits(policy.model)
+    assert not torch.allclose(trained, base, atol=1e-3)  # the updates moved the policy
+    torch.testing.assert_close(logits(frozen.model()), base, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits(policy.model), trained)  # the policy itself is untouched

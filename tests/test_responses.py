@@ -14,7 +14,9 @@ from agl import responses
 from agl.adapter import spans_to_samples
 from agl.chat import ToolCallParser, decode
 from agl.openai_schema import APIError, parse_request
-from agl.responses import OutputBuilder, ResponsesRequest, ResponseStore, StoredResponse, parse_items, to_chat_request
+from agl.openai_wire import OutputBuilder
+from agl.recording import ResponseStore, StoredResponse
+from agl.responses import ResponsesRequest, parse_items, to_chat_request
 from test_server import EOS, MODEL, TIMEOUT, forced_tokens, reply_ids, served  # noqa: F401  (served: the route fixture)
 
 ADD = {

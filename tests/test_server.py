@@ -174,6 +174,36 @@ def test_chat_round_trip_records_one_exact_span(served):
     assert attrs["timings"]["total_s"] >= attrs["timings"]["first_token_s"] > 0
 
 
+def test_a_tiny_temperature_is_greedy_not_a_crash(served):
+    """Found by fuzzing: logits / 7.8e-42 overflowed to inf, then NaN, and the engine drew a
+    token past the vocabulary. Under ``GREEDY_BELOW`` a temperature is greedy, and recorded so."""
+    rid, aid = served.new_attempt()
+    client = served.client(served.server.rollout_base_url(rid, aid))
+    tiny = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, temperature=7.8e-42)
+    greedy = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4, temperature=0)
+    assert tiny.choices[0].message.content == greedy.choices[0].message.content
+    assert [s.attributes["request"]["sampling"]["temperature"] for s in served.spans(rid, aid)] == [0.0, 0.0]
+
+
+def test_a_failing_engine_step_fails_its_requests_and_not_the_route(served, monkeypatch):
+    """Before, the exception ended the engine's loop: this request and every later one hung."""
+    step = served.engine._step
+    calls = {"n": 0}
+
+    def fails_once(admit):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected")
+        return step(admit)
+
+    monkeypatch.setattr(served.engine, "_step", fails_once)
+    client = served.client()
+    with pytest.raises(openai.InternalServerError) as failed:
+        client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4)
+    assert failed.value.body["code"] == "engine_error" and "RuntimeError: injected" in failed.value.body["message"]
+    assert client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4).usage.completion_tokens >= 1
+
+
 @pytest.mark.asyncio
 async def test_completion_round_trip_async(served):
     rid, aid = served.new_attempt()
