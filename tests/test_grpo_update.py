@@ -70,7 +70,7 @@ def test_micro_batches_keep_groups_together_and_pack_singletons():
     b = make_samples([7], [[8, 9]], [1], group="b")
     c = make_samples([6, 6, 6], [[1]], [0], group="c")
     plan = plan_micro_batches(a + b + c, size=2)
-    assert plan == [[0, 1], [2], [3, 4]]
+    assert plan == [[0, 1], [2], [4, 3]]  # singles longest first (prompt + completion)
 
 
 def test_one_update_step_changes_only_the_lora_and_drops_zero_std_groups(policy):
@@ -112,3 +112,118 @@ def test_loss_coefficients_default_alike_in_grpo_config_and_the_yaml():
     default = GRPOConfig()
     assert (config.opmd_tau, config.sapo_tau_pos, config.sapo_tau_neg) == (default.opmd_tau, default.sapo_tau_pos, default.sapo_tau_neg)
     assert yaml.loss_type in LOSS_TYPES and default.loss_type in LOSS_TYPES
+
+
+def planner_samples(groups: list[tuple[int, list[int]]]) -> list[Sample]:
+    """Per (prompt length, completion lengths): samples of one prompt (a group if 2+)."""
+    samples = []
+    for g, (prompt_len, lengths) in enumerate(groups):
+        prompt = [1000 + g] * prompt_len  # one prompt per group, however long
+        samples += make_samples(prompt, [[7 + j % 3] * n for j, n in enumerate(lengths)], [0.0] * len(lengths), group=f"g{g}")
+    return samples
+
+
+def padded_tokens(samples: list[Sample], chunk: list[int]) -> int:
+    """What a micro-batch's cap counts: a group's prompt + rows x longest completion, or rows x (longest prompt + completion)."""
+    rows = [samples[i] for i in chunk]
+    if len(rows) > 1 and all(s.prompt_ids == rows[0].prompt_ids for s in rows):
+        return len(rows[0].prompt_ids) + len(rows) * max(len(s.completion_ids) for s in rows)
+    return len(rows) * (max(len(s.prompt_ids) for s in rows) + max(len(s.completion_ids) for s in rows))
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    groups=st.lists(st.tuples(st.integers(1, 40), st.lists(st.integers(1, 120), min_size=1, max_size=9)), min_size=1, max_size=6),
+    size=st.none() | st.integers(1, 9),
+    tokens=st.none() | st.integers(1, 900),
+    seed=st.integers(0, 2**16),
+)
+def test_the_planner_covers_every_sample_once_within_its_caps_whatever_the_input_order(groups, size, tokens, seed):
+    import random
+
+    samples = planner_samples(groups)
+    plan = plan_micro_batches(samples, size=size, tokens=tokens)
+    assert sorted(i for chunk in plan for i in chunk) == list(range(len(samples)))
+    for chunk in plan:
+        assert chunk and (len(chunk) == 1 or size is None or len(chunk) <= size)
+        assert len(chunk) == 1 or tokens is None or padded_tokens(samples, chunk) <= tokens
+    prompts = [tuple(samples[chunk[0]].prompt_ids) for chunk in plan]
+    for prompt in set(prompts):  # a group's micro-batches hold only it, and come one after another
+        if sum(tuple(s.prompt_ids) == prompt for s in samples) > 1:
+            at = [i for i, p in enumerate(prompts) if p == prompt]
+            assert at == list(range(at[0], at[-1] + 1))
+            assert all(tuple(samples[j].prompt_ids) == prompt for i in at for j in plan[i])
+    # the same samples in another order: the same micro-batches of the same samples, in the same order
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    shuffled = plan_micro_batches([samples[i] for i in order], size=size, tokens=tokens)
+    assert [[samples[order[i]].rollout_id + samples[order[i]].group for i in chunk] for chunk in shuffled] == [
+        [samples[i].rollout_id + samples[i].group for i in chunk] for chunk in plan
+    ]
+
+
+def test_the_planner_cuts_a_group_by_length_only_where_padding_outweighs_a_pass():
+    from agl.grpo import PASS_OVERHEAD_TOKENS
+
+    assert 30 < PASS_OVERHEAD_TOKENS < 1000  # what the cases below assume
+    # 2 long + 6 short: one pass would pad the short ones to 250 (~1,300 padded tokens); a second pass costs less
+    samples = planner_samples([(100, [20, 250, 30, 25, 240, 22, 28, 21])])
+    assert plan_micro_batches(samples) == [[1, 4], [2, 6, 3, 5, 7, 0]]
+    # lengths close together: one pass
+    samples = planner_samples([(100, [200, 210, 190, 205])])
+    assert plan_micro_batches(samples) == [[1, 3, 0, 2]]
+    # a cap of 100 + 2 x 210 = 520 tokens: pairs, longest first
+    assert plan_micro_batches(samples, tokens=520) == [[1, 3], [0, 2]]
+    # one sample over the cap by itself still runs, alone
+    assert plan_micro_batches(samples, tokens=50) == [[1], [3], [0], [2]]
+
+
+def lora_grads_after_step(policy, samples, advs, **config) -> tuple[dict, dict]:
+    """(metrics, the LoRA's accumulated gradients) of one step that leaves the LoRA as it was."""
+    update = GRPOUpdate(policy, GRPOConfig(lr=0.0, max_grad_norm=1e9, **config))
+    metrics = update.step(samples, advs)
+    return metrics, lora_grads(policy)
+
+
+@pytest.mark.parametrize("output", ["fused", "head module", "model logits"])
+def test_a_group_cut_into_micro_batches_gives_the_loss_and_gradients_of_one_pass(policy, output, monkeypatch):
+    """Groups cut into parts (the shared prompt run once, its gradient summed over the parts)
+    against the same groups in one pass each (the planner before token budgets), with the
+    recomputed old log-probs and the reference pass (beta) going through the cut too."""
+    import agl.grpo
+
+    if output != "fused":
+        monkeypatch.setattr(agl.grpo, "fused_head", lambda policy: None)
+    if output == "model logits":
+        monkeypatch.setattr(agl.grpo, "_head_gives_logits", lambda policy: False)
+    torch.manual_seed(3)
+    samples = []
+    for g, lengths in enumerate([(2, 17, 3, 15, 9), (12, 1, 11, 4)]):
+        prompt = torch.randint(10, 2000, (13 + 4 * g,)).tolist()
+        samples += make_samples(prompt, [torch.randint(10, 2000, (n,)).tolist() for n in lengths], [1, 0, 0, 1, 0][: len(lengths)], group=f"g{g}")
+    samples += make_samples(torch.randint(10, 2000, (6,)).tolist(), [[5, 6, 7]], [1.0], group="single")
+    advs = [0.5, -1.0, 0.25, 1.5, -0.75, 1.0, -0.5, 0.8, -1.2, 0.3]
+    config = dict(loss_type="grpo", beta=0.1, old_logprobs="recompute")
+    whole_plan = plan_micro_batches(samples)
+    assert len(whole_plan) == 3  # each group in one pass, and the single
+    whole, whole_grads = lora_grads_after_step(policy, samples, advs, micro_batch_tokens=None, **config)
+    cut_plan = plan_micro_batches(samples, tokens=40)
+    assert len(cut_plan) > 6
+    cut, cut_grads = lora_grads_after_step(policy, samples, advs, micro_batch_tokens=40, **config)
+    for key in ("loss", "train_tokens", "kl", "ratio_mean", "entropy", "logprob_diff_abs"):
+        assert cut[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-6), key
+    assert cut["train_input_tokens"] == whole["train_input_tokens"]  # each prompt still runs once
+    assert whole_grads.keys() == cut_grads.keys() and whole_grads
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(cut_grads[name], grad, atol=1e-6, rtol=1e-4)
+
+
+def test_micro_batch_keys_default_alike_in_grpo_config_and_the_yaml():
+    yaml = OmegaConf.load(Path(__file__).parent.parent / "conf" / "algo" / "grpo.yaml")
+    config = GRPOConfig.from_cfg({k: yaml[k] for k in ("micro_batch_size", "micro_batch_tokens")})
+    default = GRPOConfig()
+    assert (config.micro_batch_size, config.micro_batch_tokens) == (default.micro_batch_size, default.micro_batch_tokens)
