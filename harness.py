@@ -20,7 +20,10 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from agl.errors import ConfigError  # noqa: E402
-from agl.sweep import job_dir_name, sweep_id
+from agl.launchers import check_launcher  # noqa: E402
+from agl.sweep import job_dir_name, sweep_id  # noqa: E402
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
 
 # A resumed run writes into its own dir, and keeps the .hydra/ config it was started with;
 # a report, and a runner process attached to a run, write no config at all.
@@ -34,6 +37,10 @@ OmegaConf.register_new_resolver("agl_job_dir", job_dir_name)
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> object:
+    # A launcher's worker process (submitit's) runs this function without running this file: put the
+    # checkout on sys.path there too, as `python harness.py` does, so tasks/ (task=hello, ...) imports.
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
     from agl.jobs import run_job
 
     try:
@@ -44,4 +51,9 @@ def main(cfg: DictConfig) -> object:
 
 
 if __name__ == "__main__":
+    try:
+        check_launcher(sys.argv[1:], os.path.join(ROOT, "conf"))  # before Hydra: its error for a missing launcher is a page long
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
     main()

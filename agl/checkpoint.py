@@ -20,6 +20,7 @@ from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from agl.loggers import log_row
 from agl.plots import draw_run_plots
 from agl.types import Checkpoint
 
@@ -117,10 +118,12 @@ def metrics_path(run_dir: Path) -> Path:
 
 
 def append_metrics(run_dir: Path, row: dict) -> None:
-    """One line of metrics.jsonl, and the curves redrawn."""
+    """One line of metrics.jsonl, the curves redrawn, and the row to the run's loggers (``logger=``)."""
+    row = _plain(row)
     with open(metrics_path(run_dir), "a") as f:
-        f.write(json.dumps(_plain(row)) + "\n")
+        f.write(json.dumps(row) + "\n")
     draw_run_plots(metrics_path(run_dir), run_dir)
+    log_row(run_dir, row)
 
 
 async def log_baseline(rt: Any, eval_metrics: dict) -> None:

@@ -25,6 +25,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from agl.errors import ConfigError
+from agl.launchers import apply_threads
+from agl.loggers import run_loggers
 from agl.seeding import seed_everything
 from agl.sweep import read_status, write_status
 
@@ -139,7 +141,7 @@ def in_multirun() -> bool:
 
 def config_hash(cfg: DictConfig) -> str:
     plain = OmegaConf.to_container(cfg, resolve=True)
-    for key in ("resume", "report", "progress", "device", "run_dir"):  # run_dir: agl.run's, where Hydra's is not in cfg
+    for key in ("resume", "report", "progress", "device", "run_dir", "threads", "logger"):  # run_dir: agl.run's, where Hydra's is not in cfg
         plain.pop(key, None)
     return hashlib.sha1(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
@@ -162,6 +164,7 @@ def run_job(cfg: DictConfig) -> object:
         raise ConfigError(f"algo '{name}' has no job; known: {', '.join(sorted(JOBS))}")
     if cfg.get("attach") and name != "runner":
         raise ConfigError(f"attach= joins a running job as a runner process: use it with algo=runner, not algo={name}")
+    threads = apply_threads(cfg, HydraConfig.get() if multirun else None)  # jobs x threads <= cores (agl/launchers.py)
     if name in ("info", "runner"):  # a smoke test; a process working in another job's run: nothing of their own to record or resume
         return JOBS[name](cfg, run_dir)
 
@@ -178,11 +181,12 @@ def run_job(cfg: DictConfig) -> object:
     started = time.time()
     write_status(
         run_dir, "running", algo=name, task=cfg.task.name, pid=os.getpid(), host=os.uname().nodename, started=started,
-        ended=None, duration_s=None, error=None, config_hash=digest, **({"overrides": overrides} if overrides and not cfg.get("resume") else {}),
+        ended=None, duration_s=None, error=None, config_hash=digest, threads=threads, **({"overrides": overrides} if overrides and not cfg.get("resume") else {}),
     )
     try:
         seed_everything(cfg.seed)  # before the model is built: the LoRA's initial weights repeat
-        result = JOBS[name](cfg, run_dir)
+        with run_loggers(cfg, run_dir):  # logger=: metrics.jsonl's rows also to tensorboard / wandb
+            result = JOBS[name](cfg, run_dir)
     except (Exception, SystemExit) as error:
         trace = traceback.format_exc()
         (run_dir / "error.log").write_text(trace)

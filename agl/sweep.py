@@ -18,6 +18,7 @@ Nothing here imports torch: summaries and reports load no model.
 """
 from __future__ import annotations
 
+import atexit
 import csv
 import hashlib
 import json
@@ -29,11 +30,11 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from agl.evaluate import fmt, is_derived, markdown_table, vs_base, with_interval
 from agl.plots import draw_panels, read_metrics
+from agl.tables import fmt, is_derived, markdown_table, vs_base, with_interval
 
 STATUS_FILE = "status.json"
-EXCLUDED_KEYS = ("resume", "report", "device", "progress")  # do not change what a job computes
+EXCLUDED_KEYS = ("resume", "report", "device", "progress", "threads", "logger")  # do not change what a job computes
 SWEEP_PANELS = [("reward", ["reward_mean"]), ("eval", ["eval/reward"])]
 IGNORED_EVAL = {"eval/n", "eval/failed", "eval/completion_tokens"}
 
@@ -247,9 +248,27 @@ except ImportError:  # pragma: no cover - hydra is a dependency
 
 
 class SweepSummary(Callback):
-    """Writes the sweep summary once every job of a multirun has returned."""
+    """Writes the sweep summary once every job of a multirun has returned.
+
+    A launcher that gives up before that (a job's process killed, e.g. out of memory: joblib's and
+    submitit's launchers then raise, and Hydra skips ``on_multirun_end``) still gets a summary, of
+    what the job dirs say when the launching process exits; the same command resumes the rest."""
+
+    def __init__(self) -> None:
+        self._unfinished: Path | None = None
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        self._unfinished = Path(str(config.hydra.sweep.dir))
+        atexit.register(self._after_abort)
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        self._unfinished = None
         sweep_dir = Path(str(config.hydra.sweep.dir))
         if sweep_dir.is_dir():
             write_sweep_summary(sweep_dir)
+
+    def _after_abort(self) -> None:
+        if self._unfinished is not None and self._unfinished.is_dir():
+            print("the launcher stopped before every job was back; the summary says what the job dirs say now "
+                  "(run the same command again to resume):", file=sys.stderr)
+            write_sweep_summary(self._unfinished)
