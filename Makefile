@@ -13,7 +13,7 @@ FW_BIN  := $(FW_VENV)/bin
 FRAMEWORKS_OPENAI3 := langchain langchain-responses pydantic-ai pydantic-ai-responses openai-agents openai-agents-chat
 FRAMEWORKS_OPENAI2 := litellm langchain langchain-responses
 
-.PHONY: setup run test test-frameworks bench clean
+.PHONY: setup run test test-frameworks lint bench clean
 
 setup: $(VENV)/.installed
 
@@ -41,6 +41,10 @@ $(FW_VENV)/.installed: setup.cfg pyproject.toml Makefile
 test: setup $(FW_VENV)/.installed
 	AGL_REQUIRE_FRAMEWORKS="$(FRAMEWORKS_OPENAI3)" $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 	$(MAKE) --no-print-directory test-frameworks
+
+# ruff (pyproject.toml [tool.ruff]): pyflakes, pycodestyle errors, isort, bugbear, pyupgrade
+lint: setup
+	$(BIN)/ruff check .
 
 # agl's route and the frameworks under openai 2.x
 test-frameworks: $(FW_VENV)/.installed

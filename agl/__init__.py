@@ -5,9 +5,22 @@ and, optionally, the ``@rollout`` marker. ``run`` runs the harness from Python (
 """
 from __future__ import annotations
 
+import logging
 import os
 
-from agl.agent import LLM, emit_metric, emit_reward, rollout
+
+def silence_bitsandbytes() -> None:
+    """bitsandbytes logs a WARNING when it is imported without the optional `kernels` package (a
+    faster CPU 4-bit kernel agl never uses: see ``agl.model.keep_4bit_matmul_differentiable``):
+    "Failed to load CPU gemm_4bit_forward from kernels-community". Everything works without it,
+    so the line only confuses users. Run here, before anything in agl imports peft (which imports
+    bitsandbytes), and again by ``agl.model.quiet_loading``."""
+    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+
+
+silence_bitsandbytes()
+
+from agl.agent import LLM, emit_metric, emit_reward, rollout  # noqa: E402 (after the logger is quiet)
 
 __all__ = ["LLM", "emit_reward", "emit_metric", "rollout", "run"]
 

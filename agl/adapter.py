@@ -15,7 +15,7 @@ Merged: prompt [P], completion [a b u c], mask [1 1 0 1], logprobs [la lb 0 lc].
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from agl.types import Span
 

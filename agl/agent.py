@@ -21,7 +21,8 @@ import inspect
 import logging
 import threading
 import time
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from agl.types import Span
 
@@ -167,7 +168,7 @@ async def call_agent(agent: Callable, context: RolloutContext, task: Any, llm: L
     token = _current.set(context)
     own_loop = None
     try:
-        if inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None)):
+        if inspect.iscoroutinefunction(agent) or inspect.iscoroutinefunction(getattr(agent, "__call__", None)):  # noqa: B004 (a callable object's __call__ may be async)
             own_loop = _OwnLoop(f"{getattr(agent, '__qualname__', agent)} (rollout {context.rollout_id})")
             target = functools.partial(own_loop.run, functools.partial(agent, task, llm, **resources))
         else:

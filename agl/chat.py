@@ -15,7 +15,8 @@ import dataclasses
 import json
 import re
 import secrets
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from agl.openai_schema import Message
 

@@ -11,8 +11,9 @@ import io
 import json
 import pickle
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf

@@ -32,8 +32,8 @@ import contextlib
 import dataclasses
 import logging
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator
 
 import torch
 from transformers import DynamicCache
@@ -93,7 +93,7 @@ class SequenceStream:
         """Free this sequence's slot at the next step (client gone, or a stop string matched)."""
         self.cancelled = True
 
-    async def wait(self) -> "SequenceStream":
+    async def wait(self) -> SequenceStream:
         await self._done.wait()
         return self
 
@@ -462,10 +462,8 @@ class Engine:
         return shared
 
     def _sample(self, seqs: list[SequenceStream], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list]:
-        """Sample one token per row with that row's own temperature, top-p and seed.
-
-        >>> # rows: greedy, T=1, T=0.7 with top_p=0.9: each gets its own distribution  # doctest: +SKIP
-        """
+        """Sample one token per row with that row's own temperature, top-p and seed (a greedy row,
+        a T=1 row and a T=0.7, top_p=0.9 row in one batch each get their own distribution)."""
         temps = torch.tensor([s.params.temperature for s in seqs])
         greedy = temps <= GREEDY
         scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]  # [B, V]

@@ -10,7 +10,8 @@ Statistics live in ``agl.stats``, table formatting in ``agl.tables`` (neither lo
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from agl.adapter import final_reward
 from agl.checkpoint import log_baseline

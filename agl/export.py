@@ -40,8 +40,9 @@ import os
 import secrets
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from omegaconf import DictConfig

@@ -14,7 +14,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from agl.types import Rollout, RolloutStatus
 

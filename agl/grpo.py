@@ -14,7 +14,8 @@ import dataclasses
 import math
 import time
 from collections import Counter, defaultdict
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ class GRPOConfig:
     sapo_tau_neg: float = 1.05  # sapo: gate temperature where it is <= 0
 
     @classmethod
-    def from_cfg(cls, cfg: Any) -> "GRPOConfig":
+    def from_cfg(cls, cfg: Any) -> GRPOConfig:
         names = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in dict(cfg).items() if k in names})
 
@@ -105,7 +106,7 @@ class TokenBatch:
     attention_mask_BL: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, samples: Sequence[Sample], pad_id: int, mask_truncated: bool, share_prompt: bool = True, min_shared_rows: int = 2) -> "TokenBatch":
+    def build(cls, samples: Sequence[Sample], pad_id: int, mask_truncated: bool, share_prompt: bool = True, min_shared_rows: int = 2) -> TokenBatch:
         """The shared-prompt layout when ``share_prompt``, every sample has one prompt and there are
         at least ``min_shared_rows`` rows (1 for a part of a group cut into micro-batches); else padded."""
         B, t_max = len(samples), max(len(s.completion_ids) for s in samples)

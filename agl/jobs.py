@@ -130,9 +130,6 @@ def resumed_config(cfg: DictConfig) -> DictConfig:
 
 
 QUIET_LOGGERS = ("httpx", "httpx2", "httpcore", "openai")
-# bitsandbytes warns that an optional kernel hub package is missing; agl never uses that kernel
-# (see agl.model.keep_4bit_matmul_differentiable).
-logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 def in_multirun() -> bool:

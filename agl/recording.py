@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import secrets
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from agl.chat import History, OutputAssembler, ToolCallParser, Turn, decode

@@ -31,8 +31,9 @@ import contextlib
 import logging
 import time
 import traceback
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Awaitable, Callable, Sequence
+from typing import Any
 
 from agl.agent import LLM, RolloutContext, call_agent
 from agl.types import AttemptedRollout, AttemptStatus, Span
@@ -43,13 +44,13 @@ log = logging.getLogger(__name__)
 class Hook:
     """Override any of these; each may be sync or async. A hook that raises fails the attempt."""
 
-    def on_rollout_start(self, *, agent: Any, runner: "Runner", rollout: AttemptedRollout) -> Any: ...
+    def on_rollout_start(self, *, agent: Any, runner: Runner, rollout: AttemptedRollout) -> Any: ...
 
-    def on_trace_start(self, *, agent: Any, runner: "Runner", rollout: AttemptedRollout) -> Any: ...
+    def on_trace_start(self, *, agent: Any, runner: Runner, rollout: AttemptedRollout) -> Any: ...
 
-    def on_trace_end(self, *, agent: Any, runner: "Runner", rollout: AttemptedRollout) -> Any: ...
+    def on_trace_end(self, *, agent: Any, runner: Runner, rollout: AttemptedRollout) -> Any: ...
 
-    def on_rollout_end(self, *, agent: Any, runner: "Runner", rollout: AttemptedRollout, spans: list[Span]) -> float | None: ...
+    def on_rollout_end(self, *, agent: Any, runner: Runner, rollout: AttemptedRollout, spans: list[Span]) -> float | None: ...
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -108,7 +109,7 @@ class Runner:
         status, metadata = AttemptStatus.SUCCEEDED, None
         try:
             await asyncio.wait_for(self._run(rollout), timeout=rollout.config.timeout_seconds)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             status, metadata = AttemptStatus.TIMEOUT, {"error": f"timed out after {rollout.config.timeout_seconds}s"}
         except asyncio.CancelledError:
             raise  # shutting down: the store marks this session's attempts unresponsive on close
@@ -181,7 +182,7 @@ class RunnerPool:
         self.runners = [Runner(worker_id=f"runner-{i}", executor=self.executor, **runner_kwargs) for i in range(n)]
         self._tasks: list[asyncio.Task] = []
 
-    async def __aenter__(self) -> "RunnerPool":
+    async def __aenter__(self) -> RunnerPool:
         self._tasks = [asyncio.create_task(r.run_forever(), name=r.worker_id) for r in self.runners]
         return self
 

@@ -18,8 +18,8 @@ import asyncio
 import contextlib
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,9 @@ is a ConfigError rather than a wait.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
@@ -62,7 +63,7 @@ class Runtime:
         assert self._policy is not None
         return self._policy
 
-    async def __aenter__(self) -> "Runtime":
+    async def __aenter__(self) -> Runtime:
         cfg = self.cfg
         self._job_task = asyncio.current_task()  # what _fail cancels
         self.store = SqliteStore(self.run_dir / "store.sqlite")

@@ -19,8 +19,9 @@ import asyncio
 import json
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from omegaconf import DictConfig

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import random
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
 

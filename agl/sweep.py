@@ -27,8 +27,9 @@ import os
 import re
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from agl.plots import draw_panels, read_metrics
 from agl.tables import fmt, is_derived, markdown_table, vs_base, with_interval

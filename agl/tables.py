@@ -6,7 +6,8 @@ without loading a model.
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def fmt(value: Any, digits: int = 4) -> str:

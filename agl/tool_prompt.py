@@ -28,7 +28,8 @@ reply must start with, appended to the prompt (so it carries no loss) before sam
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from agl.chat import json_or_str, parse_tool_calls
 

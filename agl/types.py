@@ -47,9 +47,9 @@ class Unset:
     """
 
     __slots__ = ()
-    _instance: Optional["Unset"] = None
+    _instance: Optional[Unset] = None
 
-    def __new__(cls) -> "Unset":
+    def __new__(cls) -> Unset:
         if cls._instance is None:
             cls._instance = super().__new__(cls)
         return cls._instance
@@ -154,7 +154,7 @@ class AttemptedRollout(Rollout):
     attempt: Attempt
 
     @model_validator(mode="after")
-    def _check_consistency(self) -> "AttemptedRollout":
+    def _check_consistency(self) -> AttemptedRollout:
         if self.attempt.rollout_id != self.rollout_id:
             raise ValueError("Inconsistent rollout_id between Rollout and Attempt")
         return self

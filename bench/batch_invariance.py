@@ -17,8 +17,8 @@ import json
 import statistics
 import time
 
-from bench.common import RESULTS, gsm8k_prompts, load_model
 from agl.engine import Engine, SamplingParams
+from bench.common import RESULTS, gsm8k_prompts, load_model
 
 
 async def sample(engine: Engine, prompts: list[list[int]], tokens: int) -> tuple[float, list]:

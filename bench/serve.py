@@ -39,6 +39,7 @@ from agl.model import load_policy
 from agl.server import ModelServer
 from bench.common import RESULTS, gsm8k_prompts, model_config
 
+
 def gsm8k_messages(count: int) -> list[list[dict]]:
     return [[{"role": "user", "content": row["prompt_text"]}] for row in gsm8k_prompts("test", count)]
 

@@ -40,7 +40,7 @@ import statistics  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
 from collections import defaultdict  # noqa: E402
-from typing import Sequence  # noqa: E402
+from collections.abc import Sequence  # noqa: E402
 
 import psutil  # noqa: E402
 import torch  # noqa: E402
@@ -106,7 +106,7 @@ def padded_tokens(samples: Sequence, plan: list[list[int]]) -> int:
 class PeakRSS:
     """The largest RSS seen (every 5 ms) while the block runs, minus the RSS when it began."""
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         self.process, self.stop = psutil.Process(), threading.Event()
         self.start = self.peak = self.process.memory_info().rss
 

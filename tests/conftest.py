@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from omegaconf import OmegaConf
+from store_helpers import FakeClock
 
 from agl.store import SqliteStore
-from store_helpers import FakeClock
 
 # The tiny random-weight Llama with the real SmolLM2 tokenizer (conf/model/tiny.yaml, resolved:
 # that file uses Hydra defaults, so it cannot be loaded on its own).

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import psutil
-
 from test_reproducible import adapter, finish, harness, metrics, query
 
 RUN = [

@@ -1,8 +1,8 @@
 """Eval summaries and the trainer's resumable task cursor."""
 import pytest
 
-from agl.evaluate import summarize
 from agl.checkpoint import TaskCursor
+from agl.evaluate import summarize
 
 
 def test_summary_counts_failed_rollouts_as_zero_and_averages_metrics():

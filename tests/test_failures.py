@@ -7,12 +7,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from failing_agents import ERROR
 from hydra import compose, initialize_config_dir
 
 from agl.eval_job import run_eval
 from agl.failures import Failures, RolloutsFailed, most_common
 from agl.trainer import train
-from failing_agents import ERROR
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny", "progress=false", "task=custom", "task.data=failing_agents:load", "task.eval_size=4", "task.max_tokens=4"]

@@ -23,15 +23,15 @@ import json
 import os
 from pathlib import Path
 
+import framework_agents
 import pytest
 import torch
 from omegaconf import OmegaConf
+from test_server import EOS, Served, served  # noqa: F401  (served: the route on the tiny policy)
 
 import agl
-import framework_agents
 from agl.adapter import spans_to_samples
 from agl.chat import decode
-from test_server import EOS, Served, served  # noqa: F401  (served: the route on the tiny policy)
 
 QUESTION = "What is 1 + 2?"
 # Scripted replies: a leading space, a double space, accents, an emoji, a newline: text a framework

@@ -7,6 +7,7 @@ import sqlite3
 import openai
 import pytest
 import torch
+from test_harness import harness
 
 from agl.adapter import spans_to_samples
 from agl.engine import Engine
@@ -15,7 +16,6 @@ from agl.server import ModelServer
 from agl.store import SqliteStore
 from tasks.q20.agent import FIRST, demonstrations, guessed, is_secret, load, search
 from tasks.q20.nouns import NOUNS
-from test_harness import harness
 
 USER = [{"role": "user", "content": "Is it an animal?"}]
 

@@ -9,6 +9,7 @@ import openai
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from test_server import EOS, MODEL, TIMEOUT, forced_tokens, reply_ids, served  # noqa: F401  (served: the route fixture)
 
 from agl import responses
 from agl.adapter import spans_to_samples
@@ -17,7 +18,6 @@ from agl.openai_schema import APIError, parse_request
 from agl.openai_wire import OutputBuilder
 from agl.recording import ResponseStore, StoredResponse
 from agl.responses import ResponsesRequest, parse_items, to_chat_request
-from test_server import EOS, MODEL, TIMEOUT, forced_tokens, reply_ids, served  # noqa: F401  (served: the route fixture)
 
 ADD = {
     "type": "function",

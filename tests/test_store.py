@@ -12,10 +12,10 @@ import time
 from pathlib import Path
 
 import pytest
+from store_helpers import PYTHON, REPO, WORKER, FakeClock, check_invariants
 
 from agl.store import ReadOnlyStoreError, SqliteStore
 from agl.types import UNSET, AttemptStatus, RolloutConfig, RolloutStatus, Span
-from store_helpers import PYTHON, REPO, WORKER, FakeClock, check_invariants
 
 asyncio_test = pytest.mark.asyncio
 

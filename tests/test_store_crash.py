@@ -22,8 +22,9 @@ import threading
 import time
 from pathlib import Path
 
-from agl.store import SqliteStore
 from store_helpers import PYTHON, REPO, WORKER, check_invariants
+
+from agl.store import SqliteStore
 
 
 class Child:

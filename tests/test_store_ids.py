@@ -7,10 +7,10 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from store_helpers import FakeClock
 
 from agl.store import SqliteStore
 from agl.types import Span
-from store_helpers import FakeClock
 
 asyncio_test = pytest.mark.asyncio
 

@@ -12,10 +12,10 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from store_helpers import FakeClock, check_invariants
 
 from agl.store import SqliteStore, db
 from agl.types import RolloutConfig, Span
-from store_helpers import FakeClock, check_invariants
 
 asyncio_test = pytest.mark.asyncio
 TIMEOUT_RETRY = RolloutConfig(timeout_seconds=5, max_attempts=2, retry_condition=["timeout"])

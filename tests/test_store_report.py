@@ -7,10 +7,11 @@ import asyncio
 import sqlite3
 from pathlib import Path
 
+from store_helpers import FakeClock, abandon, pretend_dead
+
 from agl.report import report_run
 from agl.store import SqliteStore
 from agl.types import RolloutConfig, Span
-from store_helpers import FakeClock, abandon, pretend_dead
 
 
 async def finish(store: SqliteStore, got, status: str = "succeeded", error: str | None = None) -> None:

@@ -11,11 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from store_helpers import FakeClock, abandon, check_invariants, pretend_dead
 
 from agl.store import SqliteStore
 from agl.store.rules import charged_attempt_number, is_harness_ended, rollout_status_for_attempt
 from agl.types import Attempt, AttemptStatus, RolloutConfig, RolloutStatus, Span
-from store_helpers import FakeClock, abandon, check_invariants, pretend_dead
 
 asyncio_test = pytest.mark.asyncio
 SINGLE_TRY = RolloutConfig()  # max_attempts=1, no retry_condition

@@ -24,10 +24,10 @@ from typing import Optional
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from store_helpers import FakeClock, abandon, check_invariants, derive_rollout_status, pretend_dead
 
 from agl.store import SqliteStore
 from agl.types import RolloutConfig, Span
-from store_helpers import FakeClock, abandon, check_invariants, derive_rollout_status, pretend_dead
 
 TERMINAL = {"succeeded", "failed", "cancelled"}
 QUEUED = {"queuing", "requeuing"}

@@ -17,12 +17,12 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from agl.eval_job import run_eval
-from agl.stats import bootstrap_ci, mean_ci
-from agl.tables import fmt
 from agl.model import load_policy
 from agl.prompt_search import run_prompt_search
-from agl.sft import SFTTrainer, render_demonstration
 from agl.runtime import Runtime
+from agl.sft import SFTTrainer, render_demonstration
+from agl.stats import bootstrap_ci, mean_ci
+from agl.tables import fmt
 from agl.trainer import train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -19,7 +19,8 @@ import json
 import math
 import sys
 from array import array
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
 
 from pydantic_core import to_jsonable_python
 

@@ -28,11 +28,12 @@ import asyncio
 import re
 import sqlite3
 import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Optional, TypeVar
+from typing import Any, Literal, Optional, TypeVar
 
 from agl.store import txn
 from agl.store.overdue import NOTHING_OVERDUE, OverdueView

@@ -19,7 +19,8 @@ there are none.
 from __future__ import annotations
 
 import sqlite3
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, Optional
 
 from agl.store import rules, txn
 from agl.store.codec import RolloutRow, attempt_from_row, dumps
@@ -36,7 +37,7 @@ class OverdueView:
         self.rollouts = rollouts or {}  # rollout_id -> fields R4 changes
 
     @classmethod
-    def at(cls, conn: sqlite3.Connection, now: float, rollout_ids: Optional[Sequence[str]] = None) -> "OverdueView":
+    def at(cls, conn: sqlite3.Connection, now: float, rollout_ids: Optional[Sequence[str]] = None) -> OverdueView:
         """The view at `now` for the rollouts `rollout_ids` (None: all of them; empty:
         none, i.e. attempts only — they need no query)."""
         if rollout_ids is not None and not rollout_ids:

@@ -6,7 +6,8 @@ their id (rule R1)."""
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 from agl.store import txn
 from agl.store.codec import dumps

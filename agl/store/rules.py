@@ -91,7 +91,8 @@ if it becomes active again (R3 revival of an `unresponsive` attempt).
 
 from __future__ import annotations
 
-from typing import Iterable, Literal, Optional
+from collections.abc import Iterable
+from typing import Literal, Optional
 
 from agl.types import (
     ACTIVE_ATTEMPT_STATUSES,

@@ -28,8 +28,9 @@ their JSON state and metrics, so the file does not grow with every step.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from numbers import Number
-from typing import Any, Mapping, Optional
+from typing import Any, Optional
 
 from agl.store.codec import dumps
 from agl.store.db import Db, Where

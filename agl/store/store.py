@@ -34,8 +34,9 @@ from __future__ import annotations
 import re
 import threading
 import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
+from typing import Any, Literal, Optional, Union
 
 from agl.store import db, rules, sessions, txn
 from agl.store.codec import (
@@ -69,7 +70,6 @@ from agl.types import (
     Span,
     Unset,
 )
-
 
 __all__ = ["SqliteStore", "ReadOnlyStoreError"]
 
@@ -163,7 +163,7 @@ class SqliteStore:
             self._worker.call(self._open_or_clean_up)
 
     @classmethod
-    async def open(cls, path: Union[str, Path], **kwargs: Any) -> "SqliteStore":
+    async def open(cls, path: Union[str, Path], **kwargs: Any) -> SqliteStore:
         """Like the constructor, but the file is opened on the worker thread, so the
         running event loop does not block on it (schema, session, dead-process check)."""
         store = cls(path, _defer_open=True, **kwargs)
@@ -171,7 +171,7 @@ class SqliteStore:
         return store
 
     @classmethod
-    def open_readonly(cls, path: Union[str, Path], **kwargs: Any) -> "SqliteStore":
+    def open_readonly(cls, path: Union[str, Path], **kwargs: Any) -> SqliteStore:
         """Open an existing store for reading only, next to a live writer if need be."""
         return cls(path, readonly=True, **kwargs)
 
@@ -251,7 +251,7 @@ class SqliteStore:
     def _end_session_tx(self, tx: Tx) -> None:
         txn.end_session(tx, self.session_id, "closed")  # type: ignore[arg-type]
 
-    async def __aenter__(self) -> "SqliteStore":
+    async def __aenter__(self) -> SqliteStore:
         if not self.readonly and self._watchdog_interval is not None:
             await self.start_watchdog(self._watchdog_interval)
         return self

@@ -22,7 +22,8 @@ import asyncio
 import logging
 import threading
 import time
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Optional
 
 from agl.store import db, rules, sessions, txn
 from agl.store.codec import ROLLOUT_COLUMNS, RolloutRow, dumps
@@ -161,7 +162,7 @@ class Watch:
                     pause = min(pause, remaining)
                 try:
                     await asyncio.wait_for(waiter.event.wait(), pause)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
         finally:
             self.waiters.unregister(ids, waiter)
