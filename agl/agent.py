@@ -47,7 +47,6 @@ class RolloutContext:
     rollout_id: str
     attempt_id: str
     loop: asyncio.AbstractEventLoop
-    rewards: list[float] = dataclasses.field(default_factory=list)
     pending: list[Any] = dataclasses.field(default_factory=list)
 
     def record(self, name: str, attributes: dict) -> Awaitable[Span]:
@@ -55,7 +54,6 @@ class RolloutContext:
         return self.store.add_span(Span(rollout_id=self.rollout_id, attempt_id=self.attempt_id, name=name, start_time=now, end_time=now, attributes=attributes))
 
     def record_reward(self, value: float, final: bool = False) -> Awaitable[Span]:
-        self.rewards.append(value)
         return self.record("reward", {"reward": value, "final": final})
 
 
@@ -145,8 +143,8 @@ async def _watched(coroutine: Awaitable[Any], name: str, period: float = 0.25) -
 
 
 def rollout(function: Callable) -> Callable:
-    """Mark a function as an agent (agent-lightning's ``@rollout``). Optional: any function works."""
-    function.__agl_agent__ = True
+    """agent-lightning's ``@rollout``, so its agents run unchanged. It marks nothing and changes
+    nothing: any function (or callable object) taking ``(task, llm, ...)`` is an agent here."""
     return function
 
 

@@ -86,22 +86,26 @@ async def save_checkpoint(rt: Any, step: int, state: dict, optimizer: torch.opti
     )
 
 
-async def restore_checkpoint(rt: Any, cfg: DictConfig, optimizer_for: Callable[[dict], torch.optim.Optimizer]) -> Checkpoint | None:
-    """Load the last checkpoint into the policy, optimizer and RNGs; None for a fresh run.
-
-    ``optimizer_for(state)`` names the optimizer that saved it: a trainer with stages has one per
-    stage (GRPO after an SFT warm-up).
-
-    A fresh run records its config instead (and starts an empty metrics file: a process killed
-    before the first checkpoint may have written a baseline line that is about to be redone);
-    a resumed one gets its metrics file rewritten from the store. The caller rebuilds its cursors from ``checkpoint.state``.
-    """
-    store = rt.store
-    checkpoint = await store.load_checkpoint()
-    if checkpoint is None:  # fresh, or killed before its first checkpoint: the baseline is redone
-        await store.set_run_info("config", OmegaConf.to_container(cfg, resolve=True))
+async def resume_or_start(rt: Any, cfg: DictConfig, optimizer_for: Callable[[dict], torch.optim.Optimizer]) -> Checkpoint | None:
+    """The run's state at the start of a job: the last checkpoint restored (``restore_checkpoint``)
+    and metrics.jsonl rewritten from the store; or, for a fresh run (or one killed before its first
+    checkpoint, whose baseline is about to be redone), its config recorded and an empty metrics
+    file. None when fresh; the caller rebuilds its cursors from ``checkpoint.state``."""
+    checkpoint = await rt.store.load_checkpoint()
+    if checkpoint is None:
+        await rt.store.set_run_info("config", OmegaConf.to_container(cfg, resolve=True))
         metrics_path(rt.run_dir).write_text("")
         return None
+    restore_checkpoint(rt, checkpoint, optimizer_for)
+    rows = [{"step": s, **m} for s, m in (await rt.store.query_metrics()).items()]
+    metrics_path(rt.run_dir).write_text("".join(json.dumps(_plain(r)) + "\n" for r in rows))
+    return checkpoint
+
+
+def restore_checkpoint(rt: Any, checkpoint: Checkpoint, optimizer_for: Callable[[dict], torch.optim.Optimizer]) -> None:
+    """Load ``checkpoint`` into the policy, the optimizer and the RNGs (Python's, torch's, the
+    engine's). ``optimizer_for(state)`` names the optimizer that saved it: a trainer with stages
+    has one per stage (GRPO after an SFT warm-up)."""
     load_adapter_bytes(rt.policy, checkpoint.blobs["adapter"])
     optimizer_for(checkpoint.state).load_state_dict(torch.load(io.BytesIO(checkpoint.blobs["optimizer"]), weights_only=False))
     rng = pickle.loads(checkpoint.blobs["rng"])
@@ -109,9 +113,6 @@ async def restore_checkpoint(rt: Any, cfg: DictConfig, optimizer_for: Callable[[
     torch.set_rng_state(rng["torch"])
     rt.engine.generator.set_state(rng["engine"])
     rt.policy.version = checkpoint.policy_version
-    rows = [{"step": s, **m} for s, m in (await store.query_metrics()).items()]
-    metrics_path(rt.run_dir).write_text("".join(json.dumps(_plain(r)) + "\n" for r in rows))
-    return checkpoint
 
 
 def metrics_path(run_dir: Path) -> Path:

@@ -27,7 +27,7 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from agl.checkpoint import TaskCursor, append_metrics, metrics_path, restore_checkpoint, save_checkpoint
+from agl.checkpoint import TaskCursor, append_metrics, metrics_path, resume_or_start, save_checkpoint
 from agl.errors import ConfigError
 from agl.evaluate import eval_during_training
 from agl.runtime import Runtime
@@ -177,7 +177,7 @@ class SFTTrainer:
         self.step = 0
 
     async def restore(self) -> bool:
-        checkpoint = await restore_checkpoint(self.rt, self.cfg, lambda state: self.stage.optimizer)
+        checkpoint = await resume_or_start(self.rt, self.cfg, lambda state: self.stage.optimizer)
         if checkpoint is None:
             return False
         self.stage.restore_cursor(checkpoint.state["cursor"])

@@ -29,8 +29,8 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from agl.adapter import spans_to_samples
-from agl.checkpoint import TaskCursor, append_metrics, restore_checkpoint, save_checkpoint
+from agl.adapter import final_reward, spans_to_samples
+from agl.checkpoint import TaskCursor, append_metrics, resume_or_start, save_checkpoint
 from agl.evaluate import eval_during_training
 from agl.failures import check_rollouts
 from agl.grpo import GRPOConfig, GRPOUpdate, advantages
@@ -62,7 +62,7 @@ class GRPOTrainer:
 
     async def restore(self) -> bool:
         """Load the last checkpoint, if any. True when resuming; a fresh run evaluates a baseline."""
-        checkpoint = await restore_checkpoint(self.rt, self.cfg, self._optimizer_for)
+        checkpoint = await resume_or_start(self.rt, self.cfg, self._optimizer_for)
         if checkpoint is None:
             await self._eval_if_due(step=0)
             return False
@@ -125,13 +125,12 @@ class GRPOTrainer:
         rollout_s = time.perf_counter() - started
 
         finished = succeeded(rollouts)
-        samples, rewards = [], []
+        samples: list = []
+        rewards = {r.rollout_id: 0.0 for r in rollouts}  # reward_mean counts every rollout, a failed one as 0, as eval/reward does
         for rollout in finished:
             spans = await rt.store.query_spans(rollout.rollout_id, "latest")
-            rollout_samples = spans_to_samples(spans, group=rollout.metadata["group"])
-            samples += rollout_samples
-            if rollout_samples:
-                rewards.append(rollout_samples[0].reward)
+            samples += spans_to_samples(spans, group=rollout.metadata["group"])
+            rewards[rollout.rollout_id] = final_reward(spans) or 0.0
         kept, advs, adv_stats = advantages(samples, algo.scale_rewards, algo.drop_zero_std)
 
         update_started = time.perf_counter()
@@ -142,7 +141,7 @@ class GRPOTrainer:
                 rt.policy.version += 1
         update_s = time.perf_counter() - update_started
 
-        rewards_t = torch.tensor(rewards) if rewards else torch.zeros(1)
+        rewards_t = torch.tensor(list(rewards.values())) if rewards else torch.zeros(1)
         lengths = [s.num_sampled for s in samples]
         total_s = time.perf_counter() - started
         return {
