@@ -19,6 +19,7 @@ release_freed_memory()  # before torch allocates: freed tensors go back to the O
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
+from agl.config import check_command_line, register_configs  # noqa: E402
 from agl.errors import ConfigError  # noqa: E402
 from agl.launchers import check_launcher  # noqa: E402
 from agl.sweep import job_dir_name, sweep_id  # noqa: E402
@@ -33,6 +34,7 @@ OmegaConf.register_new_resolver("agl_output_subdir", lambda resume, report, atta
 # value) and the same job subdirs, so re-running it skips finished jobs and resumes the rest.
 OmegaConf.register_new_resolver("agl_sweep_id", lambda: sweep_id(), use_cache=True)
 OmegaConf.register_new_resolver("agl_job_dir", job_dir_name)
+register_configs()  # the typed schemas conf/'s defaults lists name (agl/config.py)
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -53,6 +55,7 @@ def main(cfg: DictConfig) -> object:
 if __name__ == "__main__":
     try:
         check_launcher(sys.argv[1:], os.path.join(ROOT, "conf"))  # before Hydra: its error for a missing launcher is a page long
+        check_command_line(sys.argv[1:], os.path.join(ROOT, "conf"))  # a mistyped or ill-typed key: one line naming it
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

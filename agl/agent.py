@@ -24,6 +24,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from agl.config import NO_API_KEY
 from agl.types import Span
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ class LLM:
 
     base_url: str
     model: str
-    api_key: str = "agl"
+    api_key: str = NO_API_KEY
     sampling_parameters: dict = dataclasses.field(default_factory=dict)  # e.g. temperature, max_tokens
 
 

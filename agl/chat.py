@@ -18,6 +18,7 @@ import secrets
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from agl.config import ServerConfig
 from agl.openai_schema import Message
 
 DECODE = {"skip_special_tokens": False, "clean_up_tokenization_spaces": False}
@@ -86,7 +87,7 @@ class History:
     back to its spans in the store. The choices of one call share their prompt lists.
     """
 
-    def __init__(self, max_attempts: int = 256, turns_per_attempt: int = 8):
+    def __init__(self, max_attempts: int = ServerConfig.history_attempts, turns_per_attempt: int = ServerConfig.history_turns):
         self.max_attempts = max_attempts
         self.turns_per_attempt = turns_per_attempt
         self._attempts: collections.OrderedDict[Any, collections.deque[Turn]] = collections.OrderedDict()

@@ -48,6 +48,7 @@ from omegaconf import DictConfig, OmegaConf
 from pydantic_core import to_jsonable_python
 
 from agl.agent import LLM
+from agl.config import client_api_key
 from agl.errors import ConfigError
 from agl.eval_job import sampling_of, split_rows
 from agl.runtime import Runtime
@@ -60,7 +61,7 @@ PROVIDED: dict[str, Callable[[Runtime], Any]] = {
     "rows": lambda rt: rt.task.load(rt.cfg.task.train_split),
     "eval_rows": lambda rt: split_rows(rt.task.load(rt.cfg.task.eval_split), rt.cfg.task.eval_size),
     "cfg": lambda rt: rt.cfg,
-    "llm": lambda rt: LLM(base_url=rt.server.base_url, model=rt.policy.name, api_key=rt.cfg.server.api_key or "agl", sampling_parameters=sampling_of(rt.cfg.algo)),
+    "llm": lambda rt: LLM(base_url=rt.server.base_url, model=rt.policy.name, api_key=client_api_key(rt.cfg.server), sampling_parameters=sampling_of(rt.cfg.algo)),
     "runtime": lambda rt: rt,
     "run_dir": lambda rt: rt.run_dir,
 }

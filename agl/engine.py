@@ -38,6 +38,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from transformers import DynamicCache
 
+from agl.config import EngineConfig
 from agl.kv_cache import append_in_place_cache, cache_from_tensors
 from agl.merged import MergedSampler
 from agl.model import Policy
@@ -173,10 +174,10 @@ class Engine:
     def __init__(
         self,
         policy: Policy,
-        max_batch_size: int = 64,
-        max_prefill_tokens: int = 8192,
+        max_batch_size: int = EngineConfig.max_batch_size,
+        max_prefill_tokens: int = EngineConfig.max_prefill_tokens,
         batch_wait_s: float = 0.005,
-        weights: str = "merged",
+        weights: str = EngineConfig.weights,
         batch_invariant: bool = False,
         adapter: bool = True,
     ):

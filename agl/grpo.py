@@ -20,36 +20,10 @@ from typing import Any
 import torch
 
 from agl.adapter import Sample
+from agl.config import GRPOConfig  # noqa: F401 (the typed algo=grpo config lives with the others; its home is agl/config.py)
 from agl.logprobs import token_logprobs
 from agl.loss import group_advantages, policy_loss, token_weights
 from agl.model import Policy
-
-
-@dataclasses.dataclass
-class GRPOConfig:
-    lr: float = 1e-4
-    loss_type: str = "grpo"
-    scale_rewards: str = "group"  # group | batch | none
-    epsilon: float = 0.2
-    epsilon_high: float | None = None
-    beta: float = 0.0  # KL weight against the adapter-disabled base model
-    num_iterations: int = 1  # mu: optimizer passes over each batch
-    micro_batch_size: int | None = None  # rows per forward/backward pass at most (None: no cap)
-    micro_batch_tokens: int | None = 2048  # tokens per pass at most, padding included (plan_micro_batches)
-    max_grad_norm: float = 1.0
-    mask_truncated: bool = False  # drop completions cut off by max_tokens from the loss
-    drop_zero_std: bool = True  # groups whose rewards are all equal teach nothing
-    weight_decay: float = 0.0
-    old_logprobs: str = "recorded"  # recorded (from spans) | recompute (trainer forward before step)
-    # Coefficients of single loss types (see agl.loss); conf/algo/grpo.yaml has the same defaults.
-    opmd_tau: float = 1.0  # opmd: the loss is divided by 1 + tau (Trinity-RFT's default)
-    sapo_tau_pos: float = 1.0  # sapo: gate temperature where the advantage is > 0 (SAPO paper, TRL)
-    sapo_tau_neg: float = 1.05  # sapo: gate temperature where it is <= 0
-
-    @classmethod
-    def from_cfg(cls, cfg: Any) -> GRPOConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in dict(cfg).items() if k in names})
 
 
 def advantages(samples: Sequence[Sample], scale: str, drop_zero_std: bool) -> tuple[list[Sample], list[float], dict]:

@@ -24,6 +24,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from agl.config import with_schema
 from agl.errors import ConfigError
 from agl.launchers import apply_threads
 from agl.loggers import run_loggers
@@ -124,7 +125,7 @@ def resumed_config(cfg: DictConfig) -> DictConfig:
     saved = run_dir / ".hydra" / "config.yaml"
     if not saved.is_file():
         raise ConfigError(f"resume='{cfg.resume}' is not a run dir (no {saved})")
-    original = OmegaConf.load(saved)
+    original = with_schema(OmegaConf.load(saved))  # keys added since the run started take their defaults
     original.resume = str(run_dir)
     return original
 

@@ -54,10 +54,9 @@ def run(*overrides: str, run_dir: str | Path | None = None) -> object:
 def compose_config(overrides: tuple[str, ...]) -> DictConfig:
     if not (CONF / "config.yaml").is_file():
         raise ConfigError(f"agl.run composes the config from an agl checkout's conf/ directory, and {CONF} has none")
-    from hydra import compose, initialize_config_dir
+    from agl.config import compose_checked
 
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return compose("config", overrides=list(overrides))
+    return compose_checked(str(CONF), list(overrides))  # registers the typed schemas; a typo is a ConfigError
 
 
 def fresh_run_dir(cfg: DictConfig) -> Path:

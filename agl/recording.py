@@ -68,14 +68,14 @@ class Call:
 class Recorder:
     """Spans of finished calls into ``store``; the turns of each attempt for prefix reuse."""
 
-    def __init__(self, store: Any, policy: Any, record_unscoped: bool = False, frozen_names: Sequence[str] = ()):
+    def __init__(self, store: Any, policy: Any, record_unscoped: bool = False, frozen_names: Sequence[str] = (), history: History | None = None):
         if record_unscoped and store is None:
             raise ValueError("record_unscoped needs a store to record into")
         self.store = store
         self.policy = policy
         self.record_unscoped = record_unscoped  # /v1 calls too: each one a rollout of its own
         self.frozen_names = frozenset(frozen_names)  # the route's frozen helper models: spans marked not trainable
-        self.history = History()
+        self.history = history if history is not None else History()  # server.history_attempts / history_turns
 
     def is_frozen(self, call: Call) -> bool:
         """A call to a frozen helper model (an answerer, a judge): recorded, never trained on."""

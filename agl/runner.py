@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from agl.agent import LLM, RolloutContext, call_agent
+from agl.config import NO_API_KEY
 from agl.types import AttemptedRollout, AttemptStatus, Span
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class Runner:
         agent: Callable,
         llm_endpoint: Callable[[str, str], str],
         model_name: str,
-        api_key: str = "agl",
+        api_key: str = NO_API_KEY,
         default_sampling: dict | None = None,
         hooks: Sequence[Hook] = (),
         worker_id: str = "runner-0",

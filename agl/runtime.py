@@ -23,6 +23,7 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from agl.attach import RUNNERS_KEY, runner_entry, runner_pool
+from agl.config import client_api_key
 from agl.engine import Engine
 from agl.errors import ConfigError
 from agl.model import Policy, load_policy
@@ -38,8 +39,8 @@ class Runtime:
     def __init__(self, cfg: DictConfig, run_dir: str | Path, policy: Policy | None = None):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
-        self.processes_n = cfg.runner.get("processes", 0)  # runs saved before the option existed
-        if self.processes_n and cfg.runner.get("per_process", 1) < 1:
+        self.processes_n = cfg.runner.processes
+        if self.processes_n and cfg.runner.per_process < 1:
             raise ConfigError(f"runner.per_process={cfg.runner.per_process}: each runner process needs at least one runner")
         if cfg.runner.n < 1 and self.processes_n < 1:
             raise ConfigError(
@@ -70,25 +71,19 @@ class Runtime:
         await self.store.__aenter__()  # opens, reaps a dead previous process's attempts, starts the watchdog
         if self._policy is None:
             self._policy = await asyncio.to_thread(load_policy, cfg.model, cfg.device)
-        engine_options = dict(
-            max_batch_size=cfg.engine.max_batch_size,
-            max_prefill_tokens=cfg.engine.max_prefill_tokens,
-            weights=cfg.engine.get("weights", "merged"),  # runs saved before the option existed
-            batch_invariant=batch_invariant(cfg.engine.get("batch_invariant", "auto"), cfg.model.compute_dtype),
-        )
+        engine_options = engine_kwargs(cfg.engine, cfg.model.compute_dtype)
         self.engine = Engine(self.policy, **engine_options)
         await self.engine.start()
-        frozen_names = list(cfg.server.get("frozen_models") or [])
+        frozen_names = list(cfg.server.frozen_models or [])
         if frozen_names:  # one engine on the base weights serves every frozen name; its dense copy is built on first use
             self.frozen_engine = Engine(self.policy, adapter=False, **engine_options)
             await self.frozen_engine.start()
         self.server = ModelServer(
-            self.engine, self.policy, self.store, host=cfg.server.host, port=cfg.server.port, api_key=cfg.server.api_key, seed=cfg.seed,
-            frozen={name: self.frozen_engine for name in frozen_names},
+            self.engine, self.policy, self.store, seed=cfg.seed, frozen={name: self.frozen_engine for name in frozen_names}, **server_kwargs(cfg.server),
         )
         await self.server.start()
         entry = runner_entry(
-            self.server.rollout_base_url("{rollout_id}", "{attempt_id}"), self.policy.name, cfg.server.api_key or "agl",
+            self.server.rollout_base_url("{rollout_id}", "{attempt_id}"), self.policy.name, client_api_key(cfg.server),
             self.store.session_id, cfg.task, self.default_sampling(),
         )
         self.runners = runner_pool(cfg.runner.n, self.store, entry, self.task.agent)
@@ -177,6 +172,24 @@ class Runtime:
         if latest is not None and latest.resources == resources:
             return latest.resources_id
         return (await self.store.add_resources(resources)).resources_id
+
+
+def engine_kwargs(engine: Any, compute_dtype: str) -> dict:
+    """``engine.*`` (EngineConfig) as Engine's keyword arguments."""
+    return dict(
+        max_batch_size=engine.max_batch_size,
+        max_prefill_tokens=engine.max_prefill_tokens,
+        weights=engine.weights,
+        batch_invariant=batch_invariant(engine.batch_invariant, compute_dtype),
+    )
+
+
+def server_kwargs(server: Any) -> dict:
+    """``server.*`` (ServerConfig) as ModelServer's keyword arguments (frozen_models: the caller's, with their engine)."""
+    return dict(
+        host=server.host, port=server.port, api_key=server.api_key, default_max_tokens=server.default_max_tokens,
+        history_attempts=server.history_attempts, history_turns=server.history_turns,
+    )
 
 
 def batch_invariant(setting: bool | str, compute_dtype: str) -> bool:

@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from agl.engine import Engine
 from agl.errors import ConfigError
 from agl.model import find_adapter_dir, load_policy
-from agl.runtime import batch_invariant
+from agl.runtime import engine_kwargs, server_kwargs
 from agl.server import ModelServer
 from agl.store import SqliteStore
 
@@ -46,19 +46,10 @@ async def run_serve(cfg: DictConfig, run_dir: Path) -> dict:
             parts.callback(loop.remove_signal_handler, sig)
         store = await parts.enter_async_context(SqliteStore(run_dir / "store.sqlite")) if cfg.algo.record else None
         policy = await asyncio.to_thread(load_policy, cfg.model, cfg.device)
-        engine = Engine(
-            policy,
-            max_batch_size=cfg.engine.max_batch_size,
-            max_prefill_tokens=cfg.engine.max_prefill_tokens,
-            weights=cfg.engine.weights,
-            batch_invariant=batch_invariant(cfg.engine.batch_invariant, cfg.model.compute_dtype),
-        )
+        engine = Engine(policy, **engine_kwargs(cfg.engine, cfg.model.compute_dtype))
         await engine.start()
         parts.push_async_callback(engine.stop)
-        server = ModelServer(
-            engine, policy, store, host=cfg.server.host, port=cfg.server.port, api_key=cfg.server.api_key,
-            seed=cfg.seed, record_unscoped=store is not None,
-        )
+        server = ModelServer(engine, policy, store, seed=cfg.seed, record_unscoped=store is not None, **server_kwargs(cfg.server))
         try:
             await server.start()
         except OSError as error:

@@ -78,7 +78,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agl import responses, tool_prompt
-from agl.chat import Delta, OutputAssembler, ToolCallParser, decode, render_prompt, template_messages
+from agl.chat import Delta, History, OutputAssembler, ToolCallParser, decode, render_prompt, template_messages
+from agl.config import ServerConfig
 from agl.engine import SamplingParams
 from agl.openai_schema import (
     APIError,
@@ -101,7 +102,7 @@ from agl.store.rules import charged_attempt_number
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_TOKENS = 1024
+DEFAULT_MAX_TOKENS = ServerConfig.default_max_tokens  # the defaults are ServerConfig's (agl/config.py)
 FINISHED_ATTEMPT_STATUSES = ("succeeded", "failed", "timeout")  # an "unresponsive" attempt may come back
 
 
@@ -141,6 +142,8 @@ class ModelServer:
         frozen: Mapping[str, Any] | None = None,
         max_stored_responses: int = 1024,
         record_unscoped: bool = False,
+        history_attempts: int = ServerConfig.history_attempts,
+        history_turns: int = ServerConfig.history_turns,
     ):
         self.engine = engine
         self.policy = policy
@@ -154,7 +157,7 @@ class ModelServer:
         self.frozen = dict(frozen or {})
         # what requests may name in `model`: the policy, its frozen helpers, and names registered for the policy
         self.model_names = tuple(dict.fromkeys([policy.name, *self.frozen, *model_names]))
-        self.recorder = Recorder(store, policy, record_unscoped, frozen_names=self.frozen)
+        self.recorder = Recorder(store, policy, record_unscoped, frozen_names=self.frozen, history=History(history_attempts, history_turns))
         self.responses = ResponseStore(max_stored_responses)  # for previous_response_id (Responses API)
         self.call_numbers = CallCounter()
         self.app = self._build_app()

@@ -66,6 +66,7 @@ def _timed(fn) -> float:
 def run_agl(steps: int) -> dict:
     from hydra import compose, initialize_config_dir
 
+    from agl.config import register_configs
     from agl.runtime import Runtime
     from agl.trainer import GRPOTrainer
 
@@ -75,6 +76,7 @@ def run_agl(steps: int) -> dict:
         "algo.beta=0", "algo.num_iterations=1", "algo.eval_every=0", f"algo.steps={steps + 1}", "algo.micro_batch_size=8",
         "runner.n=32", "algo.drop_zero_std=false",  # the same work as TRL, which updates on every group
     ]
+    register_configs()  # the schemas conf/ names
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config", overrides=overrides)
 

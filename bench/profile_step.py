@@ -101,7 +101,7 @@ def update_step(policy, fused: bool, profile: bool = False) -> dict:
                mask=[1] * NEW_TOKENS, logprobs=[-1.0] * NEW_TOKENS, reward=float(i % 2), truncated=False, group="g")
         for i in range(8)
     ]
-    update = grpo.GRPOUpdate(policy, grpo.GRPOConfig(lr=0.0, loss_type="dapo", micro_batch_size=8))
+    update = grpo.GRPOUpdate(policy, grpo.GRPOConfig(lr=0.0, loss_type="dapo", epsilon_high=None, micro_batch_size=8))
     advantages = [1.0 if i % 2 else -1.0 for i in range(8)]
     original = grpo.fused_head
     grpo.fused_head = original if fused else (lambda _policy: None)

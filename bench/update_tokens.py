@@ -131,7 +131,7 @@ class PeakRSS:
 def run_step(policy, samples: list, planner: str) -> dict:
     import agl.grpo as grpo
 
-    config = grpo.GRPOConfig(lr=0.0, loss_type="dapo")  # the defaults: micro_batch_size, micro_batch_tokens as in grpo.yaml
+    config = grpo.GRPOConfig(lr=0.0, loss_type="dapo", epsilon_high=None)  # the defaults: micro_batch_size, micro_batch_tokens as in grpo.yaml
     plan_fn = grpo.plan_micro_batches
     if planner == "old":
         config.micro_batch_size, config.micro_batch_tokens = 8, None

@@ -4,9 +4,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from agl.adapter import Sample
+from agl.config import compose_checked
 from agl.grpo import GRPOConfig, GRPOUpdate, TokenBatch, advantages, completion_logprobs, plan_micro_batches
 from agl.loss import LOSS_TYPES
 from agl.model import load_policy
@@ -82,7 +82,7 @@ def test_one_update_step_changes_only_the_lora_and_drops_zero_std_groups(policy)
     assert advs[0] > 0 > advs[1]
     frozen = {n: p.detach().clone() for n, p in policy.model.named_parameters() if not p.requires_grad}
     lora = {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
-    update = GRPOUpdate(policy, GRPOConfig(lr=1e-2, micro_batch_size=3, old_logprobs="recompute"))
+    update = GRPOUpdate(policy, GRPOConfig(lr=1e-2, loss_type="grpo", epsilon_high=None, micro_batch_size=3, old_logprobs="recompute"))
     metrics = update.step(kept, advs)
     assert metrics["train_tokens"] == 8 and metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert all(torch.equal(p, frozen[n]) for n, p in policy.model.named_parameters() if not p.requires_grad)
@@ -107,7 +107,7 @@ def test_one_update_step_with_each_new_loss_type_changes_the_lora(policy, loss_t
 
 
 def test_loss_coefficients_default_alike_in_grpo_config_and_the_yaml():
-    yaml = OmegaConf.load(Path(__file__).parent.parent / "conf" / "algo" / "grpo.yaml")
+    yaml = compose_checked(str(Path(__file__).parent.parent / "conf"), ["algo=grpo"]).algo  # composed: the keys live in GRPOConfig
     config = GRPOConfig.from_cfg({k: yaml[k] for k in ("opmd_tau", "sapo_tau_pos", "sapo_tau_neg")})
     default = GRPOConfig()
     assert (config.opmd_tau, config.sapo_tau_pos, config.sapo_tau_neg) == (default.opmd_tau, default.sapo_tau_pos, default.sapo_tau_neg)
@@ -184,7 +184,7 @@ def test_the_planner_cuts_a_group_by_length_only_where_padding_outweighs_a_pass(
 
 def lora_grads_after_step(policy, samples, advs, **config) -> tuple[dict, dict]:
     """(metrics, the LoRA's accumulated gradients) of one step that leaves the LoRA as it was."""
-    update = GRPOUpdate(policy, GRPOConfig(lr=0.0, max_grad_norm=1e9, **config))
+    update = GRPOUpdate(policy, GRPOConfig(**{"loss_type": "grpo", "epsilon_high": None, "lr": 0.0, "max_grad_norm": 1e9, **config}))
     metrics = update.step(samples, advs)
     return metrics, lora_grads(policy)
 
@@ -223,7 +223,7 @@ def test_a_group_cut_into_micro_batches_gives_the_loss_and_gradients_of_one_pass
 
 
 def test_micro_batch_keys_default_alike_in_grpo_config_and_the_yaml():
-    yaml = OmegaConf.load(Path(__file__).parent.parent / "conf" / "algo" / "grpo.yaml")
+    yaml = compose_checked(str(Path(__file__).parent.parent / "conf"), ["algo=grpo"]).algo  # composed: the keys live in GRPOConfig
     config = GRPOConfig.from_cfg({k: yaml[k] for k in ("micro_batch_size", "micro_batch_tokens")})
     default = GRPOConfig()
     assert (config.micro_batch_size, config.micro_batch_tokens) == (default.micro_batch_size, default.micro_batch_tokens)

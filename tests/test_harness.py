@@ -121,9 +121,10 @@ def test_unknown_quantization_lists_valid_ones(tmp_path):
     assert all(q in result.stderr for q in ("nf4", "fp4", "int8", "none"))
 
 
-def test_override_typo_gets_hydras_error(tmp_path):
-    result = harness(tmp_path, "modle.path=x")
-    assert_user_error(result, "Could not override 'modle.path'")
+def test_override_typo_is_one_line_naming_the_key(tmp_path):
+    result = harness(tmp_path, "modle.path=x")  # checked against agl/config.py's schemas before Hydra runs
+    assert_user_error(result, "error: modle: no such key in Config")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
 
 
 def test_directory_that_is_not_a_model(tmp_path):

@@ -78,7 +78,7 @@ def trained(request, tiny_model_cfg):
     cfg = case_cfg(tiny_model_cfg, request.param)
     policy = load_policy(cfg, "cpu")
     before = {n: p.detach().clone() for n, p in vocabulary_lora(policy).items()}
-    update = GRPOUpdate(policy, GRPOConfig(lr=1e-2, micro_batch_size=4, old_logprobs="recompute"))
+    update = GRPOUpdate(policy, GRPOConfig(lr=1e-2, loss_type="grpo", epsilon_high=None, micro_batch_size=4, old_logprobs="recompute"))
     for _ in range(2):
         update.step(samples(), [1.0, -1.0, -1.0, 1.0])
     return request.param, cfg, policy, before
