@@ -113,6 +113,7 @@ def _read_store(path: Path) -> dict:
                     "json_extract(s.attributes, '$.response_text'), rr.reward FROM rollouts r "
                     "JOIN latest_attempts la ON la.rollout_id = r.rollout_id "
                     "JOIN spans s ON s.attempt_id = la.attempt_id AND s.name LIKE 'llm.%' "
+                    "AND coalesce(json_extract(s.attributes, '$.trainable'), 1) != 0 "  # the policy's replies, not a frozen helper's"
                     "LEFT JOIN rollout_rewards rr ON rr.rollout_id = r.rollout_id "
                     "WHERE at IS NOT NULL ORDER BY r.seq, s.sequence_id"
                 ),

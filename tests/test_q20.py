@@ -108,3 +108,12 @@ def test_q20_trains_on_the_players_turns_only(tmp_path):
     assert "base" in models and "tiny" in models
     frozen = [json.loads(a)["trainable"] for (a,) in db.execute("SELECT attributes FROM spans WHERE name = 'llm.chat'") if json.loads(a).get("model") == "base"]
     assert frozen and not any(frozen)
+
+    report = harness(tmp_path, f"report={tmp_path / 'run'}")  # its samples show the player's replies, not the answerer's
+    assert report.returncode == 0, report.stderr[-2000:]
+    first_eval = db.execute("SELECT rollout_id FROM rollouts WHERE json_extract(metadata, '$.eval_step') IS NOT NULL ORDER BY seq LIMIT 1").fetchone()[0]
+    replies = [json.loads(a) for (a,) in db.execute("SELECT attributes FROM spans WHERE rollout_id = ? AND name = 'llm.chat' ORDER BY sequence_id", (first_eval,))]
+    player = [r["response_text"] for r in replies if r["trainable"]]
+    shown = "\n".join("> " + line for line in (player[-1] or "(no reply)").splitlines())  # as report.md quotes a reply
+    assert f"\n{shown}\n" in (tmp_path / "run" / "report.md").read_text()
+
