@@ -16,7 +16,6 @@ framework runs on the embedded SmolLM2-135M with greedy decoding: there the tool
 (135M does not call tools on its own) and every other reply is the model's own.
 """
 import asyncio
-import contextlib
 import importlib
 import inspect
 import json
@@ -25,9 +24,8 @@ from pathlib import Path
 
 import framework_agents
 import pytest
-import torch
 from omegaconf import OmegaConf
-from test_server import EOS, Served, served  # noqa: F401  (served: the route on the tiny policy)
+from test_server import EOS, Served, forced_tokens, served  # noqa: F401  (served: the route on the tiny policy)
 
 import agl
 from agl.adapter import spans_to_samples
@@ -70,31 +68,10 @@ def framework(name: str, kind: str):
     return getattr(framework_agents, f"{prefix}_{kind}"), kwargs
 
 
-@contextlib.contextmanager
 def scripted(served, *scripts):
     """Call i writes ``scripts[i]`` (token ids), then eos; once the scripts are used up the model
-    writes what it likes. A forward hook on the output layer; one request in flight at a time."""
-    assert served.idle()
-    head = served.policy.model.get_output_embeddings()
-    state = {"call": 0, "token": 0}
-
-    def hook(module, args, output):
-        if state["call"] >= len(scripts):
-            return output
-        script, forced = scripts[state["call"]], torch.full_like(output, -1e4)
-        if state["token"] < len(script):
-            forced[..., script[state["token"]]] = 0.0
-            state["token"] += 1
-        else:
-            forced[..., EOS] = 0.0
-            state["call"], state["token"] = state["call"] + 1, 0
-        return forced
-
-    handle = head.register_forward_hook(hook)
-    try:
-        yield state
-    finally:
-        handle.remove()
+    writes what it likes."""
+    return forced_tokens(served, *scripts, then_free=True)
 
 
 def run(served, agent, sampling: dict, **kwargs):

@@ -92,9 +92,10 @@ def served(tiny_model_cfg, tmp_path_factory):
 
 
 @contextlib.contextmanager
-def forced_tokens(served, *scripts):
+def forced_tokens(served, *scripts, then_free: bool = False):
     """Make the model emit ``scripts[0]`` (then eos), one token per forward pass, whatever the
-    input; with several scripts, call i writes ``scripts[i]``, then eos.
+    input; with several scripts, call i writes ``scripts[i]``, then eos. Once the scripts are used
+    up the model writes eos again (``then_free``: whatever it likes). Yields the hook's state.
 
     A forward hook on the output layer replaces the logits; meant for one request in flight,
     so it first waits for the engine to finish steps of earlier (e.g. cancelled) sequences.
@@ -104,6 +105,8 @@ def forced_tokens(served, *scripts):
     state = {"call": 0, "token": 0}
 
     def hook(module, args, output):
+        if then_free and state["call"] >= len(scripts):
+            return output
         script = scripts[state["call"]] if state["call"] < len(scripts) else []
         forced = torch.full_like(output, -1e4)
         if state["token"] < len(script):
@@ -116,7 +119,7 @@ def forced_tokens(served, *scripts):
 
     handle = head.register_forward_hook(hook)
     try:
-        yield
+        yield state
     finally:
         handle.remove()
 
