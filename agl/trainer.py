@@ -129,8 +129,9 @@ class GRPOTrainer:
         rewards = {r.rollout_id: 0.0 for r in rollouts}  # reward_mean counts every rollout, a failed one as 0, as eval/reward does
         for rollout in finished:
             spans = await rt.store.query_spans(rollout.rollout_id, "latest")
-            samples += spans_to_samples(spans, group=rollout.metadata["group"])
-            rewards[rollout.rollout_id] = final_reward(spans) or 0.0
+            reward = final_reward(spans)
+            samples += spans_to_samples(spans, reward=reward, group=rollout.metadata["group"])
+            rewards[rollout.rollout_id] = reward or 0.0
         kept, advs, adv_stats = advantages(samples, algo.scale_rewards, algo.drop_zero_std)
 
         update_started = time.perf_counter()
