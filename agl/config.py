@@ -21,6 +21,7 @@ from dataclasses import field
 from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from agl.errors import ConfigError
 
@@ -115,6 +116,7 @@ class TinyConfig:
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True  # like SmolLM2's
     seed: int = 0
 
 
@@ -134,6 +136,9 @@ class ModelConfig:
 # ----------------------------------------------------------------------------- task
 
 
+DEFAULT_PROMPTS = {"default": "{question}"}  # the templates of a task that lists none (task.prompts empty)
+
+
 @dataclasses.dataclass
 class TaskConfig:
     """The keys agl reads; ``resources``, ``prompts`` and ``recipe`` take any keys (the task's own)."""
@@ -148,7 +153,7 @@ class TaskConfig:
     eval_size: int = 16  # the first N rows of eval_split; 0 = all
     final_eval_size: Optional[int] = None  # the baseline and final evals of algo=grpo: null = eval_size, 0 = all
     prompt: str = "default"
-    prompts: dict[str, Any] = field(default_factory=dict)  # templates the agent gets as prompt_template
+    prompts: dict[str, Any] = field(default_factory=dict)  # templates the agent gets as prompt_template; empty: DEFAULT_PROMPTS
     resources: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments for the agent
     recipe: dict[str, Any] = field(default_factory=dict)  # warmup_steps, steps, eval_every: algo=grpo's unless overridden
 
@@ -232,13 +237,74 @@ class EvalConfig:
     pass_threshold: float = 1.0  # a try passes when its reward is >= this
 
 
+@dataclasses.dataclass
+class PromptSearchConfig:
+    """``algo=prompt_search`` (agl/prompt_search.py): score each prompt template on the same tasks, rank them."""
+
+    name: str = "prompt_search"
+    split: str = "train"  # choose on train, confirm the winner with algo=eval. The yaml: ${task.train_split}
+    size: int = 32  # distinct tasks per candidate (the first N of the split)
+    candidates: Optional[list[str]] = None  # names from task.prompts; None: all of them
+    temperature: float = 0.0  # 0 = greedy: the template, not sampling noise, makes the difference
+    top_p: float = 1.0
+    max_tokens: int = 128  # the yaml: ${task.max_tokens}
+    bootstrap: int = 2000  # resamples for the bootstrap 95% interval
+
+
+@dataclasses.dataclass
+class CustomConfig:
+    """``algo=custom`` (agl/custom_algo.py): the user's own ``async def`` on the run's store, runners and route."""
+
+    name: str = "custom"
+    fn: Optional[str] = None  # required: module:function
+    args: dict[str, Any] = field(default_factory=dict)  # more keyword arguments for fn, e.g. +algo.args.tasks_per_prompt=8
+    temperature: float = 0.0  # for rollouts whose metadata has no "sampling"; 0 = greedy
+    top_p: float = 1.0
+    max_tokens: int = 128  # the yaml: ${task.max_tokens}
+
+
+@dataclasses.dataclass
+class ServeConfig:
+    """``algo=serve`` (agl/serve_job.py): the policy on the route until Ctrl-C; ``server.*`` sets where it listens."""
+
+    name: str = "serve"
+    record: bool = True  # every call into the run dir's store.sqlite (token ids, logprobs, request)
+
+
+@dataclasses.dataclass
+class ExportConfig:
+    """``algo=export`` (agl/export.py): model.adapter merged into the full-precision base, as HF and GGUF."""
+
+    name: str = "export"
+    dtype: str = "float32"  # float32 | bfloat16 | float16: the exported weights (the merge itself is in float32)
+    out: Optional[str] = None  # where to write hf/ and model-<dtype>.gguf; None: export/ in the run dir. Must not hold files yet
+    gguf: bool = True  # false: the HF dir only
+
+
+@dataclasses.dataclass
+class RunnerJobConfig:
+    """``algo=runner attach=<run dir>`` (agl/attach.py): join a running job; ``runner.*`` sets how many rollouts at once."""
+
+    name: str = "runner"
+
+
+@dataclasses.dataclass
+class InfoConfig:
+    """``algo=info`` (agl/jobs.py): load the model, print parameter counts and memory, exit."""
+
+    name: str = "info"
+
+
+ALGO_SCHEMAS: dict[str, type] = {
+    "grpo": GRPOConfig, "sft": SFTConfig, "eval": EvalConfig, "prompt_search": PromptSearchConfig,
+    "custom": CustomConfig, "serve": ServeConfig, "export": ExportConfig, "runner": RunnerJobConfig, "info": InfoConfig,
+}
+
 SCHEMAS: dict[tuple[str | None, str], type] = {
     (None, "config_schema"): Config,
     ("model", "model_schema"): ModelConfig,
     ("task", "task_schema"): TaskConfig,
-    ("algo", "grpo_schema"): GRPOConfig,
-    ("algo", "sft_schema"): SFTConfig,
-    ("algo", "eval_schema"): EvalConfig,
+    **{("algo", f"{name}_schema"): schema for name, schema in ALGO_SCHEMAS.items()},
 }
 
 
@@ -257,16 +323,30 @@ def register_configs() -> None:
 def with_schema(saved: DictConfig) -> DictConfig:
     """A config saved by an earlier run, on the schemas: keys added since then take their defaults.
 
-    The top level always; ``algo`` when its name has a typed config (``grpo``, ``sft``, ``eval``).
+    The top level, ``model``, and ``algo`` when its name is one of agl's (``ALGO_SCHEMAS``).
     Keys the schemas no longer know are kept (an old run's config is what it ran with).
     """
     out = OmegaConf.merge(_defaults(Config), saved)
     if "model" in saved:
         out.model = OmegaConf.merge(_defaults(ModelConfig), saved.model)
-    algo_schema = {"grpo": GRPOConfig, "sft": SFTConfig, "eval": EvalConfig}.get(str(OmegaConf.select(saved, "algo.name")))
+    algo_schema = ALGO_SCHEMAS.get(str(OmegaConf.select(saved, "algo.name")))
     if algo_schema is not None:
         out.algo = OmegaConf.merge(_defaults(algo_schema), saved.algo)
     return out
+
+
+def typed(schema: type, cfg: Any) -> Any:
+    """``cfg`` (a composed section, or a partial one: a test's dict, an older run's) on its schema, so
+    every key it lacks reads the default from here and a wrong type fails. Components call this on the
+    section they are given instead of ``cfg.get(key, default)``."""
+    if OmegaConf.get_type(cfg) is schema:
+        return cfg
+    if isinstance(cfg, DictConfig):  # interpolations resolve against the section's own root (``${task.max_tokens}``)
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        return OmegaConf.merge(OmegaConf.structured(schema), cfg)
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"{error.full_key or schema.__name__}: {str(getattr(error, 'msg', error)).splitlines()[0]} ({schema.__name__})") from None
 
 
 def _defaults(schema: type) -> DictConfig:
@@ -297,7 +377,6 @@ def compose_checked(conf_dir: str, overrides: list[str]) -> DictConfig:
     """Hydra's compose, with a mistyped or ill-typed override as a one-line ConfigError naming the key."""
     from hydra import compose, initialize_config_dir
     from hydra.errors import ConfigCompositionException
-    from omegaconf.errors import OmegaConfBaseException
 
     register_configs()
     try:

@@ -48,7 +48,7 @@ from omegaconf import DictConfig, OmegaConf
 from pydantic_core import to_jsonable_python
 
 from agl.agent import LLM
-from agl.config import client_api_key
+from agl.config import CustomConfig, client_api_key, typed
 from agl.errors import ConfigError
 from agl.eval_job import sampling_of, split_rows
 from agl.runtime import Runtime
@@ -67,16 +67,17 @@ PROVIDED: dict[str, Callable[[Runtime], Any]] = {
 }
 
 
-def load_algorithm(algo: DictConfig) -> tuple[Callable, list[str]]:
+def load_algorithm(algo: Any) -> tuple[Callable, list[str]]:
     """``algo.fn`` -> the function and the names in ``PROVIDED`` it takes (see the module docstring)."""
-    if not algo.get("fn"):
+    algo = typed(CustomConfig, algo)
+    if not algo.fn:
         raise ConfigError("algo=custom needs algo.fn=module:function, an async function (see README \"Your own algorithm\")")
     spec = str(algo.fn)
     fn = import_object(spec)
     if not inspect.iscoroutinefunction(fn):
         what = "it is not async (define it with async def)" if callable(fn) else f"it is a {type(fn).__name__}, not a function"
         raise ConfigError(f"algo.fn '{spec}' must be an async function: {what}")
-    args = list(algo.get("args") or {})
+    args = list(algo.args)
     if taken := [a for a in args if a in PROVIDED]:
         raise ConfigError(f"algo.args {taken} are passed by agl; remove them from algo.args")
     params = inspect.signature(fn).parameters
@@ -103,7 +104,7 @@ class CustomRuntime(Runtime):
 
 async def run_custom(cfg: DictConfig, run_dir: Path) -> Any:
     fn, provided = load_algorithm(cfg.algo)
-    args = OmegaConf.to_container(cfg.algo.args, resolve=True) if cfg.algo.get("args") else {}
+    args = OmegaConf.to_container(typed(CustomConfig, cfg.algo).args, resolve=True)
     async with CustomRuntime(cfg, run_dir) as rt:
         await rt.store.set_run_info("config", OmegaConf.to_container(cfg, resolve=True))
         result = await fn(**{name: PROVIDED[name](rt) for name in provided}, **args)

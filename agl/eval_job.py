@@ -38,13 +38,13 @@ def split_rows(rows: list[dict], size: int | None, distinct: bool = False) -> li
 
 def sampling_of(algo: DictConfig) -> dict:
     sampling = {"temperature": float(algo.temperature), "max_tokens": int(algo.max_tokens)}
-    if algo.temperature > 0 and algo.get("top_p", 1.0) != 1.0:
+    if algo.temperature > 0 and algo.top_p != 1.0:
         sampling["top_p"] = float(algo.top_p)
     return sampling
 
 
 def adapter_label(cfg: DictConfig) -> str:
-    if not cfg.model.get("adapter"):
+    if not cfg.model.adapter:
         return "none (base model)"
     from agl.model import find_adapter_dir
 

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from agl.adapter import final_reward
-from agl.checkpoint import log_baseline
 from agl.failures import check_rollouts
 from agl.stats import is_binary, paired_change, rate_with_interval
 from agl.types import Rollout, RolloutStatus
@@ -147,7 +146,8 @@ async def evaluate(
 async def eval_during_training(rt: Any, cfg: Any, rows: Sequence[dict], step: int, slice_size: int = 0) -> dict[str, float]:
     """The GRPO and SFT trainers' greedy evaluation after ``step`` updates, as ``eval/`` metrics.
 
-    Step 0 is the baseline before any update; it is also logged on its own (as step -1).
+    Step 0 is the baseline before any update (the trainers log it on its own, as step -1:
+    ``agl.checkpoint.log_baseline``).
     Every 0/1 score gets its Wilson 95% interval (``eval/<score>_lo``, ``_hi``); after an
     update, also the paired comparison with the baseline on the same tasks
     (``eval/<score>_base``, ``_gained``, ``_lost`` and McNemar's ``_p``).
@@ -169,8 +169,6 @@ async def eval_during_training(rt: Any, cfg: Any, rows: Sequence[dict], step: in
     metrics = eval_metrics("eval", scores[:slice_size] if sliced else scores, baseline)
     if sliced:
         metrics.update(eval_metrics("eval_all", scores, baseline))
-    if step == 0:
-        await log_baseline(rt, metrics)
     return metrics
 
 

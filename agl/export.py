@@ -53,16 +53,16 @@ from agl.model import DTYPES, find_adapter_dir, quiet_loading, resolve_model_pat
 
 
 def run_export(cfg: DictConfig, run_dir: Path) -> dict:
-    if not cfg.model.get("adapter"):
+    if not cfg.model.adapter:
         raise ConfigError("algo=export needs model.adapter=<run dir or adapter dir>: the LoRA to merge")
     adapter_dir = find_adapter_dir(cfg.model.adapter)
     if cfg.algo.dtype not in DTYPES:
         raise ConfigError(f"algo.dtype '{cfg.algo.dtype}' is not one of: {', '.join(DTYPES)}")
     dtype = DTYPES[cfg.algo.dtype]
-    out = Path(cfg.algo.out).expanduser() if cfg.algo.get("out") else run_dir / "export"
+    out = Path(cfg.algo.out).expanduser() if cfg.algo.out else run_dir / "export"
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"algo.out '{out}' already holds files; remove it or choose another algo.out")
-    base = resolve_model_path(cfg.model.path, cfg.model.cache_dir, cfg.model.get("tiny"))
+    base = resolve_model_path(cfg.model.path, cfg.model.cache_dir, cfg.model.tiny)
     gguf_name = f"model-{cfg.algo.dtype}.gguf"
     with staged(out) as tmp:
         with quiet_loading():

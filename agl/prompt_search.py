@@ -21,6 +21,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from agl.config import PromptSearchConfig, typed
 from agl.errors import ConfigError
 from agl.eval_job import sampling_of, split_rows
 from agl.evaluate import evaluate_rows, summarize
@@ -47,10 +48,10 @@ def rank(scores_by_candidate: dict[str, list[dict]], *, resamples: int = 2000, s
 
 
 async def run_prompt_search(cfg: DictConfig, run_dir: Path) -> dict:
-    algo = cfg.algo
+    algo = typed(PromptSearchConfig, cfg.algo)
     async with Runtime(cfg, run_dir) as rt:
         prompts = rt.task.prompts
-        candidates = list(algo.candidates) if algo.get("candidates") else list(prompts)
+        candidates = list(algo.candidates) if algo.candidates else list(prompts)
         unknown = [c for c in candidates if c not in prompts]
         if unknown:
             raise ConfigError(f"algo.candidates {unknown} are not prompts of task '{cfg.task.name}': {', '.join(prompts)}")

@@ -34,7 +34,7 @@ from agl.store import SqliteStore
 
 
 async def run_serve(cfg: DictConfig, run_dir: Path) -> dict:
-    if cfg.model.get("adapter"):
+    if cfg.model.adapter:
         find_adapter_dir(cfg.model.adapter)  # a wrong path fails now, not after loading the base model
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -27,7 +27,8 @@ import torch
 from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from agl.checkpoint import TaskCursor, append_metrics, metrics_path, resume_or_start, save_checkpoint
+from agl.checkpoint import TaskCursor, append_metrics, log_baseline, metrics_path, resume_or_start, save_checkpoint
+from agl.config import SFTConfig, typed
 from agl.errors import ConfigError
 from agl.evaluate import eval_during_training
 from agl.runtime import Runtime
@@ -116,7 +117,8 @@ class SFTStage:
     max_grad_norm and max_length (conf/algo/sft.yaml, or grpo.yaml's ``warmup``).
     """
 
-    def __init__(self, rt: Runtime, cfg: DictConfig, sft_cfg: DictConfig):
+    def __init__(self, rt: Runtime, cfg: DictConfig, sft_cfg: Any):
+        sft_cfg = typed(SFTConfig, sft_cfg)
         self.rt, self.sft_cfg = rt, sft_cfg
         if rt.task.demonstrations is None:
             raise ConfigError(f"task '{cfg.task.name}' has no demonstrations (task.demonstrations) for SFT")
@@ -125,7 +127,7 @@ class SFTStage:
         if not self.demos:
             raise ConfigError(f"task '{cfg.task.name}' has no demonstrations for split '{sft_cfg.split}'")
         self.steps = sft_cfg.steps
-        if sft_cfg.get("epochs"):
+        if sft_cfg.epochs:
             self.steps = math.ceil(sft_cfg.epochs * len(self.demos) / sft_cfg.batch_size)
         self.seed = cfg.seed
         self.cursor = TaskCursor(len(self.demos), cfg.seed)
@@ -168,11 +170,11 @@ class SFTTrainer:
     """``algo=sft``: the SFT stage alone, with evals, checkpoints and the final adapter."""
 
     def __init__(self, rt: Runtime, cfg: DictConfig):
-        self.rt, self.cfg, self.algo = rt, cfg, cfg.algo
+        self.rt, self.cfg, self.algo = rt, cfg, typed(SFTConfig, cfg.algo)
         self.run_dir = rt.run_dir
-        self.stage = SFTStage(rt, cfg, cfg.algo)
+        self.stage = SFTStage(rt, cfg, self.algo)
         self.steps = self.stage.steps
-        eval_rows = rt.task.load(cfg.task.eval_split) if self.algo.get("eval", True) else []
+        eval_rows = rt.task.load(cfg.task.eval_split) if self.algo.eval else []
         self.eval_rows = eval_rows[: cfg.task.eval_size] if cfg.task.eval_size else eval_rows
         self.step = 0
 
@@ -186,8 +188,8 @@ class SFTTrainer:
 
     async def train(self) -> dict:
         resumed = await self.restore()
-        if not resumed:
-            await eval_during_training(self.rt, self.cfg, self.eval_rows, 0)
+        if not resumed and self.eval_rows:
+            await log_baseline(self.rt, await eval_during_training(self.rt, self.cfg, self.eval_rows, 0))
         with tqdm(total=self.steps, initial=self.step, desc="sft", dynamic_ncols=True, disable=not self.cfg.progress) as bar:
             while self.step < self.steps:
                 metrics = await self.stage.train_step(self.step)

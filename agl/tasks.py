@@ -19,6 +19,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from agl.config import DEFAULT_PROMPTS
 from agl.errors import ConfigError
 
 
@@ -107,6 +108,6 @@ def load_task(cfg: DictConfig) -> Task:
         agent=import_object(cfg.agent),
         load=load,
         resources=OmegaConf.to_container(cfg.resources, resolve=True) if cfg.get("resources") else {},
-        prompts=OmegaConf.to_container(cfg.prompts, resolve=True) if cfg.get("prompts") else {"default": "{question}"},
+        prompts=OmegaConf.to_container(cfg.prompts, resolve=True) if cfg.get("prompts") else dict(DEFAULT_PROMPTS),
         demonstrations=demonstrations_loader(cfg.get("demonstrations")),
     )

@@ -30,10 +30,11 @@ from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
 from agl.adapter import final_reward, spans_to_samples
-from agl.checkpoint import TaskCursor, append_metrics, resume_or_start, save_checkpoint
+from agl.checkpoint import TaskCursor, append_metrics, log_baseline, resume_or_start, save_checkpoint
+from agl.config import typed
 from agl.evaluate import eval_during_training
 from agl.failures import check_rollouts
-from agl.grpo import GRPOConfig, GRPOUpdate, advantages
+from agl.grpo import GRPOConfig, GRPOUpdate, advantages, drop_groups
 from agl.runtime import Runtime, succeeded
 from agl.sft import SFTStage
 
@@ -42,18 +43,18 @@ class GRPOTrainer:
     def __init__(self, rt: Runtime, cfg: DictConfig):
         self.rt = rt
         self.cfg = cfg
-        self.algo = cfg.algo
+        self.algo = typed(GRPOConfig, cfg.algo)
         self.run_dir = rt.run_dir
         self.train_rows = rt.task.load(cfg.task.train_split)
         eval_rows = rt.task.load(cfg.task.eval_split)
         self.eval_rows = eval_rows[: cfg.task.eval_size] if cfg.task.eval_size else eval_rows
         # the baseline and the final eval: a superset of eval_rows, for the paired test at the end
-        end_size = cfg.task.get("final_eval_size")
+        end_size = cfg.task.final_eval_size
         self.end_rows = self.eval_rows if end_size is None else (eval_rows[:end_size] if end_size else eval_rows)
         self.cursor = TaskCursor(len(self.train_rows), cfg.seed)
         self.update = GRPOUpdate(rt.policy, GRPOConfig.from_cfg(self.algo))
-        warmup = self.algo.get("warmup")
-        self.warmup = SFTStage(rt, cfg, warmup) if warmup and (warmup.steps or warmup.get("epochs")) else None
+        warmup = self.algo.warmup
+        self.warmup = SFTStage(rt, cfg, warmup) if warmup.steps or warmup.epochs else None
         self.warmup_steps = self.warmup.steps if self.warmup else 0
         self.total_steps = self.warmup_steps + self.algo.steps
         self.step = 0  # warm-up steps first, then GRPO's
@@ -64,7 +65,8 @@ class GRPOTrainer:
         """Load the last checkpoint, if any. True when resuming; a fresh run evaluates a baseline."""
         checkpoint = await resume_or_start(self.rt, self.cfg, self._optimizer_for)
         if checkpoint is None:
-            await self._eval_if_due(step=0)
+            if baseline := await self._eval_if_due(step=0):
+                await log_baseline(self.rt, baseline)
             return False
         self.cursor = TaskCursor(len(self.train_rows), self.cfg.seed, **checkpoint.state["cursor"])
         if self.warmup and "sft_cursor" in checkpoint.state:
@@ -132,7 +134,9 @@ class GRPOTrainer:
             reward = final_reward(spans)
             samples += spans_to_samples(spans, reward=reward, group=rollout.metadata["group"])
             rewards[rollout.rollout_id] = reward or 0.0
-        kept, advs, adv_stats = advantages(samples, algo.scale_rewards, algo.drop_zero_std)
+        advs, flat = advantages(samples, algo.scale_rewards)
+        kept, advs = drop_groups(samples, advs, flat) if algo.drop_zero_std else (samples, advs)
+        groups = len({s.group for s in samples})
 
         update_started = time.perf_counter()
         update_metrics: dict[str, Any] = {}
@@ -161,7 +165,8 @@ class GRPOTrainer:
             "time_rollout_s": rollout_s,
             "time_update_s": update_s,
             "time_other_s": total_s - rollout_s - update_s,
-            **adv_stats,
+            "frac_reward_zero_std": len(flat) / max(groups, 1),
+            "groups": groups,
             **update_metrics,
         }
 

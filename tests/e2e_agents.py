@@ -31,7 +31,7 @@ def multi_turn_agent(task: dict, llm: agl.LLM, prompt_template: str, max_turns: 
 async def blocking_async_agent(task: dict, llm: agl.LLM, prompt_template: str, **_: object) -> float:
     """Two mistakes people make in async agents: a sync client and time.sleep. Each blocks the loop."""
     time.sleep(1.2)
-    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, timeout=10, max_retries=0)
+    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, timeout=60, max_retries=0)
     reply = client.chat.completions.create(
         model=llm.model, messages=[{"role": "user", "content": prompt_template.format(question=task["question"])}], **llm.sampling_parameters
     )

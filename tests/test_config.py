@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from agl.config import EngineConfig, GRPOConfig, SFTConfig, compose_checked
+from agl.config import ALGO_SCHEMAS, EngineConfig, GRPOConfig, SFTConfig, compose_checked, typed
 from agl.errors import ConfigError
 from agl.jobs import resumed_config
 
@@ -25,10 +25,21 @@ def test_a_mistyped_key_in_each_typed_group_is_rejected_by_name(override, key):
         compose_checked(CONF, ["algo=grpo", override])
 
 
-@pytest.mark.parametrize("algo", ["sft", "eval"])
-def test_typos_in_sft_and_eval(algo):
+@pytest.mark.parametrize("algo", sorted(ALGO_SCHEMAS))
+def test_every_algo_is_typed_and_rejects_a_typo(algo):
+    cfg = compose_checked(CONF, [f"algo={algo}"])
+    assert OmegaConf.get_type(cfg.algo) is ALGO_SCHEMAS[algo] and cfg.algo.name == algo
     with pytest.raises(ConfigError, match=r"algo\.lrr"):
         compose_checked(CONF, [f"algo={algo}", "algo.lrr=1"])
+
+
+def test_typed_fills_a_partial_section_from_its_schema_and_rejects_what_it_cannot_hold():
+    partial = typed(SFTConfig, {"steps": 3})
+    assert partial.steps == 3 and partial.lr == SFTConfig().lr and typed(SFTConfig, partial) is partial
+    with pytest.raises(ConfigError, match=r"steps.*SFTConfig"):
+        typed(SFTConfig, {"steps": "many"})
+    with pytest.raises(ConfigError, match=r"stepz.*SFTConfig"):
+        typed(SFTConfig, {"stepz": 3})
 
 
 def test_a_wrong_type_is_rejected():

@@ -7,7 +7,7 @@ import torch
 
 from agl.adapter import Sample
 from agl.config import compose_checked
-from agl.grpo import GRPOConfig, GRPOUpdate, TokenBatch, advantages, completion_logprobs, plan_micro_batches
+from agl.grpo import GRPOConfig, GRPOUpdate, TokenBatch, advantages, completion_logprobs, drop_groups, plan_micro_batches
 from agl.loss import LOSS_TYPES
 from agl.model import load_policy
 
@@ -77,8 +77,10 @@ def test_one_update_step_changes_only_the_lora_and_drops_zero_std_groups(policy)
     prompt = list(range(100, 120))
     good = make_samples(prompt, [[5, 6, 7], [8, 9], [10], [11, 12]], [1.0, 0.0, 0.0, 1.0], group="good")
     flat = make_samples(prompt[:5], [[5], [6]], [0.5, 0.5], group="flat")
-    kept, advs, stats = advantages(good + flat, "group", drop_zero_std=True)
-    assert [s.group for s in kept] == ["good"] * 4 and stats["frac_reward_zero_std"] == 0.5
+    advs, flat_groups = advantages(good + flat, "group")
+    assert flat_groups == {"flat"} and advs[4:] == [0.0, 0.0]
+    kept, advs = drop_groups(good + flat, advs, flat_groups)
+    assert [s.group for s in kept] == ["good"] * 4
     assert advs[0] > 0 > advs[1]
     frozen = {n: p.detach().clone() for n, p in policy.model.named_parameters() if not p.requires_grad}
     lora = {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
@@ -93,7 +95,7 @@ def test_one_update_step_changes_only_the_lora_and_drops_zero_std_groups(policy)
 def test_one_update_step_with_each_new_loss_type_changes_the_lora(policy, loss_type):
     prompt = list(range(200, 215))
     samples = make_samples(prompt, [[5, 6, 7], [8, 9], [10], [11, 12]], [1.0, 0.0, 0.0, 1.0], group=loss_type)
-    kept, advs, _ = advantages(samples, "group", drop_zero_std=True)
+    kept, (advs, _) = samples, advantages(samples, "group")
     lora = {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
     # recorded log-probs (-1.0 here, far from the tiny model's ~-10.8) make the step off-policy,
     # so the clip (cispo) and the gate (sapo) are away from r = 1; opmd ignores them.
