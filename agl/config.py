@@ -65,6 +65,7 @@ class ServerConfig:
     default_max_tokens: int = 1024  # for a call that gives no max_tokens (rollouts normally carry their algo's)
     history_attempts: int = 256  # attempts whose recent turns the route keeps in memory for prefix reuse (LRU)
     history_turns: int = 8  # turns kept per attempt; older ones are read back from the store's spans
+    stored_responses: int = 1024  # Responses API: the last N stored responses kept for previous_response_id and GET
 
 
 def client_api_key(server: Any) -> str:

@@ -79,7 +79,7 @@ class Runtime:
             self.frozen_engine = Engine(self.policy, adapter=False, **engine_options)
             await self.frozen_engine.start()
         self.server = ModelServer(
-            self.engine, self.policy, self.store, seed=cfg.seed, frozen={name: self.frozen_engine for name in frozen_names}, **server_kwargs(cfg.server),
+            self.engine, self.policy, self.store, cfg.server, seed=cfg.seed, frozen={name: self.frozen_engine for name in frozen_names},
         )
         await self.server.start()
         entry = runner_entry(
@@ -181,14 +181,6 @@ def engine_kwargs(engine: Any, compute_dtype: str) -> dict:
         max_prefill_tokens=engine.max_prefill_tokens,
         weights=engine.weights,
         batch_invariant=batch_invariant(engine.batch_invariant, compute_dtype),
-    )
-
-
-def server_kwargs(server: Any) -> dict:
-    """``server.*`` (ServerConfig) as ModelServer's keyword arguments (frozen_models: the caller's, with their engine)."""
-    return dict(
-        host=server.host, port=server.port, api_key=server.api_key, default_max_tokens=server.default_max_tokens,
-        history_attempts=server.history_attempts, history_turns=server.history_turns,
     )
 
 

@@ -28,7 +28,7 @@ from omegaconf import DictConfig
 from agl.engine import Engine
 from agl.errors import ConfigError
 from agl.model import find_adapter_dir, load_policy
-from agl.runtime import engine_kwargs, server_kwargs
+from agl.runtime import engine_kwargs
 from agl.server import ModelServer
 from agl.store import SqliteStore
 
@@ -49,7 +49,7 @@ async def run_serve(cfg: DictConfig, run_dir: Path) -> dict:
         engine = Engine(policy, **engine_kwargs(cfg.engine, cfg.model.compute_dtype))
         await engine.start()
         parts.push_async_callback(engine.stop)
-        server = ModelServer(engine, policy, store, seed=cfg.seed, record_unscoped=store is not None, **server_kwargs(cfg.server))
+        server = ModelServer(engine, policy, store, cfg.server, seed=cfg.seed, record_unscoped=store is not None)
         try:
             await server.start()
         except OSError as error:

@@ -50,7 +50,7 @@ Choices worth knowing:
     path renders, samples, parses tool calls and records (an ``llm.chat`` span whose
     ``request.responses`` holds the response id, ``previous_response_id`` and ``metadata``),
     and the reply goes back as output items, streamed as Responses events or not. Stored
-    responses (``store``, the default) stay in memory, the last ``max_stored_responses``, for
+    responses (``store``, the default) stay in memory, the last ``server.stored_responses``, for
     ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``, on the route that made them.
   - A client that disconnects cancels its sequences; nothing is recorded for it.
   - With ``api_key`` set, every route but ``GET /health`` needs ``Authorization: Bearer <key>``.
@@ -79,7 +79,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agl import responses, tool_prompt
 from agl.chat import Delta, History, OutputAssembler, ToolCallParser, decode, render_prompt, template_messages
-from agl.config import ServerConfig
+from agl.config import ServerConfig, typed
 from agl.engine import SamplingParams
 from agl.openai_schema import (
     APIError,
@@ -102,7 +102,6 @@ from agl.store.rules import charged_attempt_number
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MAX_TOKENS = ServerConfig.default_max_tokens  # the defaults are ServerConfig's (agl/config.py)
 FINISHED_ATTEMPT_STATUSES = ("succeeded", "failed", "timeout")  # an "unresponsive" attempt may come back
 
 
@@ -133,32 +132,28 @@ class ModelServer:
         engine: Any,
         policy: Any,
         store: Any = None,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        api_key: str | None = None,
-        default_max_tokens: int = DEFAULT_MAX_TOKENS,
+        config: Any = None,
+        *,
         seed: int = 0,
         model_names: Sequence[str] = (),
         frozen: Mapping[str, Any] | None = None,
-        max_stored_responses: int = 1024,
         record_unscoped: bool = False,
-        history_attempts: int = ServerConfig.history_attempts,
-        history_turns: int = ServerConfig.history_turns,
     ):
+        config = typed(ServerConfig, config or {})  # server.*: host, port, api_key, default_max_tokens, history and response store sizes
         self.engine = engine
         self.policy = policy
         self.store = store
-        self.host = host
-        self.port = port
-        self.api_key = api_key
-        self.default_max_tokens = default_max_tokens
+        self.host = config.host
+        self.port = config.port  # 0 until start() binds a free one
+        self.api_key = config.api_key
+        self.default_max_tokens = config.default_max_tokens
         self.seed = seed  # the run seed: rollout calls without a seed of their own derive one from it
         # frozen helper models: name -> an engine sampling the base model (adapter off; agl.merged)
         self.frozen = dict(frozen or {})
         # what requests may name in `model`: the policy, its frozen helpers, and names registered for the policy
         self.model_names = tuple(dict.fromkeys([policy.name, *self.frozen, *model_names]))
-        self.recorder = Recorder(store, policy, record_unscoped, frozen_names=self.frozen, history=History(history_attempts, history_turns))
-        self.responses = ResponseStore(max_stored_responses)  # for previous_response_id (Responses API)
+        self.recorder = Recorder(store, policy, record_unscoped, frozen_names=self.frozen, history=History(config.history_attempts, config.history_turns))
+        self.responses = ResponseStore(config.stored_responses)  # for previous_response_id (Responses API)
         self.call_numbers = CallCounter()
         self.app = self._build_app()
         self._server: _EmbeddedUvicorn | None = None

@@ -142,7 +142,7 @@ def test_models_health_and_api_key(served):
     health = httpx.get(served.server.url + "/health").json()
     assert health["status"] == "ok" and health["policy_version"] == served.policy.version
 
-    guarded = ModelServer(served.engine, served.policy, api_key="sekret")
+    guarded = ModelServer(served.engine, served.policy, config={"api_key": "sekret"})
     served.call(guarded.start())
     try:
         with pytest.raises(openai.AuthenticationError) as err:
