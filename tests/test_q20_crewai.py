@@ -35,7 +35,7 @@ if "crewai" in os.environ.get("AGL_REQUIRE_FRAMEWORKS", "").split():
 else:
     pytest.importorskip("crewai")
 
-from tasks.q20.agent import ANSWERER, FIRST, SYSTEM  # noqa: E402
+from tasks.q20.agent import ANSWERER, FIRST, SYSTEM, guessed, verdict  # noqa: E402
 from tasks.q20.crewai_agent import play, q20_crewai_agent  # noqa: E402
 
 CAT = {"id": "animal-cat", "category": "animal", "answer": "cat"}
@@ -211,10 +211,14 @@ def test_embedded_model_plays_a_game(tmp_path):
     served = ServedWithBase(OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True)), tmp_path / "store.sqlite", perturb=False)
     try:
         rid, aid = served.new_attempt()
-        game = play(CAT, llm_of(served, rid, aid, {"temperature": 0.0, "max_tokens": 24}), max_turns=4)
+        game = play(CAT, llm_of(served, rid, aid, {"temperature": 0.0, "max_tokens": 16}), max_turns=2)
         spans = chat_spans(served, rid, aid)
         assert all(m["content"].strip() for m in game.messages if m["role"] == "assistant")  # it asked something, each time
-        assert game.questions == 4 or game.won
-        check_player(served, spans, game.messages, float(game.won))
+        assert game.questions == 2 or game.won
+        player, frozen = check_player(served, spans, game.messages, float(game.won))
+        answers = iter(frozen)  # the answerer's own replies; a guess hears "No." from the game instead
+        for question, heard in zip(game.messages[2::2], game.messages[3::2]):
+            assert heard["content"] == ("No." if guessed(question["content"]) else verdict(reply_text(served, next(answers))))
+        assert next(answers, None) is None
     finally:
         served.close()
