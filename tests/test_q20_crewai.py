@@ -180,12 +180,11 @@ def test_search_is_a_tool_call_crewai_hands_back(route):
 
 
 def test_q20_crewai_through_the_harness(tmp_path):
-    """The whole job, `task.agent=tasks.q20.crewai_agent:q20_crewai_agent`: GRPO on the tiny model,
-    the answerer's calls recorded, frozen and out of the samples."""
+    """`task.agent=tasks.q20.crewai_agent:q20_crewai_agent` selects it: an eval job (the runners and
+    route that training uses, without the GRPO step, which test_q20.py covers) on two games."""
     result = harness(
-        tmp_path, "model=tiny", "task=q20", "task.agent=tasks.q20.crewai_agent:q20_crewai_agent", "algo=grpo", "algo.steps=1",
-        "algo.batch_size=2", "algo.group_size=2", "algo.eval_every=0", "task.eval_size=2", "task.resources.max_turns=3",
-        "task.max_tokens=8", "algo.drop_zero_std=false",
+        tmp_path, "model=tiny", "task=q20", "task.agent=tasks.q20.crewai_agent:q20_crewai_agent", "algo=eval",
+        "task.eval_size=2", "task.resources.max_turns=3", "task.max_tokens=8",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     db = sqlite3.connect(tmp_path / "run" / "store.sqlite")
@@ -193,7 +192,7 @@ def test_q20_crewai_through_the_harness(tmp_path):
     assert {c["model"] for c in calls} == {"tiny", "base"}
     assert all(c["trainable"] is (c["model"] == "tiny") for c in calls)
     metrics = [json.loads(a) for (a,) in db.execute("SELECT attributes FROM spans WHERE name = 'metric'")]
-    assert metrics and all(m["name"] == "questions" and 1 <= m["value"] <= 3 for m in metrics)
+    assert len(metrics) == 2 and all(m["name"] == "questions" and 1 <= m["value"] <= 3 for m in metrics)
 
 
 # ----------------------------------------------------------------------------- the embedded model
