@@ -179,6 +179,22 @@ def test_search_is_a_tool_call_crewai_hands_back(route):
     check_player(route, spans, game.messages, 1.0)
 
 
+def test_text_before_a_tool_call_is_lost_and_splits_the_sample(route):
+    """A known limit, pinned: CrewAI's LLM.call returns only the tool calls of a reply, not the text
+    before them, so the conversation it builds no longer holds what the model wrote; the next prompt
+    extends the call's prompt but not its response, and the rollout is two samples, not one (the
+    openai version keeps the text: one sample). If a CrewAI release keeps it, this fails: then one."""
+    tok = route.policy.tokenizer
+    call = 'Let me search.\n<tool_call>\n{"name": "search", "arguments": {"query": "animals"}}\n</tool_call>'
+    rid, aid = route.new_attempt()
+    with forced_tokens(route, tok.encode(call), tok.encode("Is it a cat?")):
+        game = play(CAT, llm_of(route, rid, aid, {"temperature": 1.0, "max_tokens": 64}), max_turns=3, search_tool=True)
+    assert game.won and game.messages[2]["content"] is None and game.messages[2]["tool_calls"]
+    first, second = chat_spans(route, rid, aid)
+    assert second.attributes["prompt_reused_tokens"] == len(first.prompt_token_ids)  # the prompt, not the reply
+    assert len(spans_to_samples([first, second], reward=1.0)) == 2
+
+
 def test_q20_crewai_through_the_harness(tmp_path):
     """`task.agent=tasks.q20.crewai_agent:q20_crewai_agent` selects it: an eval job (the runners and
     route that training uses, without the GRPO step, which test_q20.py covers) on two games."""

@@ -12,6 +12,9 @@ CrewAI ``Agent``/``Task`` per turn. An ``Agent`` wraps each turn in its own role
 and "Final Answer:" parsing, so turn after turn would be unrelated prompts: no one training
 sequence, and nothing a 135M model could follow. ``LLM.call`` sends the game's messages as they are,
 so the player's turns extend each other exactly and merge into one sample, as in the openai version.
+One exception: a reply with text before a ``search`` call. CrewAI's ``LLM.call`` returns only the
+calls, so that text never reaches the conversation, and the turns after it start a second sample
+(tests/test_q20_crewai.py pins this).
 
 Needs ``pip install -e '.[crewai]'``: CrewAI pins ``openai<3`` and ``pydantic<2.13`` (a venv of its
 own: ``make test-crewai``).
