@@ -13,6 +13,7 @@ With ``search: true`` the player also gets a mock ``search`` tool (called throug
 that lists the nouns of a category it names; its calls do not count as questions.
 
 Left out: the seed's second answerer prompt that may reply "maybe", and a real web search.
+``tasks/q20/crewai_agent.py`` plays the same game as a CrewAI flow (``pip install -e '.[crewai]'``).
 """
 from __future__ import annotations
 
@@ -68,6 +69,19 @@ def search(query: str) -> str:
     return " ".join(hits) or "No results."
 
 
+def search_query(arguments: str | None) -> str:
+    """The ``query`` of a search call's arguments (the model's own text: malformed JSON searches for nothing).
+
+    >>> search_query('{"query": "birds"}'), search_query('{"query": "birds"}}'), search_query(None)
+    ('birds', '', '')
+    """
+    try:
+        parsed = json.loads(arguments or "{}")
+    except json.JSONDecodeError:
+        return ""
+    return str(parsed.get("query", "")) if isinstance(parsed, dict) else ""
+
+
 def q20_agent(task: dict, llm: agl.LLM, prompt_template: str = SYSTEM, max_turns: int = 20, answerer: str = "base", search_tool: bool = False, **_: object) -> float:
     client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key)
     answer, category = task["answer"], task["category"]
@@ -79,8 +93,7 @@ def q20_agent(task: dict, llm: agl.LLM, prompt_template: str = SYSTEM, max_turns
         if message.tool_calls:  # a search: answered by the tool, not counted as a question
             messages.append(message.model_dump(include={"role", "content", "tool_calls"}, exclude_none=True))
             for call in message.tool_calls:
-                query = json.loads(call.function.arguments or "{}").get("query", "")
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": search(str(query))})
+                messages.append({"role": "tool", "tool_call_id": call.id, "content": search(search_query(call.function.arguments))})
             questions += 1  # bounded all the same: a player that only searches still ends
             continue
         question = message.content or ""
@@ -104,8 +117,16 @@ def ask_answerer(client: openai.OpenAI, model: str, answer: str, category: str, 
         max_tokens=3,
         temperature=0,
     )
-    text = (reply.choices[0].message.content or "").strip().lower()
-    return "Yes." if text.startswith("yes") else "No."
+    return verdict(reply.choices[0].message.content or "")
+
+
+def verdict(reply: str) -> str:
+    """What the game tells the player from the answerer's reply: anything but a leading "yes" is No.
+
+    >>> verdict(" Yes, it is."), verdict("yes"), verdict("Maybe"), verdict("")
+    ('Yes.', 'Yes.', 'No.', 'No.')
+    """
+    return "Yes." if reply.strip().lower().startswith("yes") else "No."
 
 
 def load(split: str) -> list[dict]:
