@@ -19,7 +19,8 @@ equal the model's forward to float32 rounding (tests/test_decode.py); the KV cac
 engine's, appended through ``cache.update`` as the model's forward does, so prefill (still the
 model's forward), merging and retiring rows are unchanged.
 
-Other architectures, a LoRA module left in place of a dense layer (``engine.weights=adapter``), or
+Forward hooks are honoured on the embeddings, the final norm and the output layer (called as
+modules), not inside the decoder layers. Other architectures, a LoRA module left in place of a dense layer (``engine.weights=adapter``), or
 a rotary embedding whose frequencies depend on the length fall back to the model's forward
 (``decode_step`` returns None).
 """
@@ -139,9 +140,9 @@ class LlamaDecodeStep:
             x = x + _linear(F.silu(gate) * up, down.weight, down.bias)
         x = model.model.norm(x)
         head = model.lm_head
-        if type(head) is nn.Linear:
+        if type(head) is nn.Linear and not (head._forward_hooks or head._forward_pre_hooks):
             return _linear(x, head.weight, head.bias, row_major=True).float()  # [B, V]
-        return head(x).float()
+        return head(x).float()  # a LoRA head, or hooks on it (tests force tokens with one): the module itself
 
 
 def decode_step(sampler: Any) -> LlamaDecodeStep | None:
