@@ -3,8 +3,8 @@
 The engine's decode step feeds one token per row. Through transformers' forward that is, per
 layer, three attention projections and two MLP input projections as separate matmuls, a 4-d
 attention mask rebuilt from the 2-d one, rotary tables recomputed, plus the module and kwargs
-plumbing around ~20 small ops; and the vocabulary projection as ``x @ W.T``. Here the step is
-written out for this one shape:
+plumbing around ~20 small ops; and every product as ``x @ W.T``. Here the step is written out
+for this one shape:
 
   - q, k and v are one matmul against the three weights stacked, gate and up another: the
     sampler's dense weights are re-laid out once per merge, in place (each ``DenseLinear`` keeps
@@ -12,17 +12,18 @@ written out for this one shape:
   - the rotary cos/sin and the boolean attention mask are computed once per step, not per layer;
   - attention is ``scaled_dot_product_attention`` with the query heads of a key/value group
     packed as that group's "query length" (no ``repeat_kv`` copy of the cache);
-  - the vocabulary projection is computed as ``W @ x.T`` (logits transposed).
+  - every product is computed as ``W @ x.T`` (see ``_linear``).
 
-The numbers (bench/decode.py, this 2-core AVX2 CPU, float32) are in BENCHMARKS.md. The results
-equal the model's forward to float32 rounding (tests/test_decode.py); the KV cache is the
+The numbers (bench/serve.py, a 2-core AVX2 CPU, float32) are in BENCHMARKS.md: 1.29x the route's
+tokens/s at 32 clients, 1.53x at 64. The logits equal the model's forward to float32 rounding
+(bit for bit at batch 32 there; tests/test_decode.py checks 1e-5); the KV cache is the
 engine's, appended through ``cache.update`` as the model's forward does, so prefill (still the
 model's forward), merging and retiring rows are unchanged.
 
 Forward hooks are honoured on the embeddings, the final norm and the output layer (called as
-modules), not inside the decoder layers. Other architectures, a LoRA module left in place of a dense layer (``engine.weights=adapter``), or
-a rotary embedding whose frequencies depend on the length fall back to the model's forward
-(``decode_step`` returns None).
+modules), not inside the decoder layers. Other architectures, a LoRA module left in place of a
+dense layer (``engine.weights=adapter``), or a rotary embedding whose frequencies depend on the
+length fall back to the model's forward (``decode_step`` returns None).
 """
 from __future__ import annotations
 
@@ -117,6 +118,8 @@ class LlamaDecodeStep:
         group = heads // kv_heads
         rows = tokens.shape[0]
         rotary = model.model.rotary_emb
+        device = rotary.inv_freq.device
+        tokens, positions, mask = tokens.to(device), positions.to(device), mask.to(device)
 
         x = model.model.embed_tokens(tokens)  # [B, H]
         freqs = positions[:, None].float() * rotary.inv_freq.float()[None, :]  # [B, d/2]
@@ -141,8 +144,8 @@ class LlamaDecodeStep:
         x = model.model.norm(x)
         head = model.lm_head
         if type(head) is nn.Linear and not (head._forward_hooks or head._forward_pre_hooks):
-            return _linear(x, head.weight, head.bias, row_major=True).float()  # [B, V]
-        return head(x).float()  # a LoRA head, or hooks on it (tests force tokens with one): the module itself
+            return _linear(x, head.weight, head.bias, row_major=True).float().cpu()  # [B, V]
+        return head(x).float().cpu()  # a LoRA head, or hooks on it (tests force tokens with one): the module itself
 
 
 def decode_step(sampler: Any) -> LlamaDecodeStep | None:
