@@ -52,6 +52,7 @@ class EngineConfig:
     max_prefill_tokens: int = 8192
     weights: str = "merged"  # merged: dense base+LoRA matrices, re-merged after each update | adapter: through the training model
     batch_invariant: Any = "auto"  # auto (on when model.compute_dtype=float32) | true | false (agl.runtime.batch_invariant)
+    decode: str = "fast"  # fast: agl/decode.py's step for Llama-family merged samplers | model: the model's forward
 
 
 @dataclasses.dataclass

@@ -39,6 +39,7 @@ import torch
 from transformers import DynamicCache
 
 from agl.config import EngineConfig
+from agl.decode import decode_step
 from agl.kv_cache import append_in_place_cache, cache_from_tensors
 from agl.merged import MergedSampler
 from agl.model import Policy
@@ -180,6 +181,7 @@ class Engine:
         weights: str = EngineConfig.weights,
         batch_invariant: bool = False,
         adapter: bool = True,
+        decode: str = EngineConfig.decode,
     ):
         """``adapter=False``: sample from the frozen base model (the route's helper models), a dense
         copy of the base weights whatever ``weights`` says, since the policy's own modules cannot
@@ -190,6 +192,10 @@ class Engine:
         # merged: one dense matmul per layer (see agl.merged); adapter: the training model itself
         self.adapter = adapter
         self.merged = MergedSampler(policy.model, policy.compute_dtype, lora=adapter) if weights == "merged" or not adapter else None
+        if decode not in ("fast", "model"):
+            raise ValueError(f"engine.decode '{decode}' is not one of: fast, model")
+        # fast: agl.decode's step for Llama-family dense samplers (None where it does not apply)
+        self.decode_step = decode_step(self.merged) if decode == "fast" else None
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.batch_wait_s = batch_wait_s  # let requests sent together be prefilled together
@@ -449,7 +455,10 @@ class Engine:
 
     def _decode(self, batch: _Batch) -> torch.Tensor:
         batch.mask = torch.cat([batch.mask, torch.ones((len(batch.seqs), 1), dtype=torch.long)], dim=1)
-        logits = self._forward(batch.last_tokens[:, None], batch.mask, batch.positions[:, None], batch.cache)
+        if self.decode_step is not None:
+            logits = self.decode_step(batch.last_tokens, batch.positions, batch.mask, batch.cache)
+        else:
+            logits = self._forward(batch.last_tokens[:, None], batch.mask, batch.positions[:, None], batch.cache)
         batch.positions = batch.positions + 1
         self.stats["decode_tokens"] += len(batch.seqs)
         return logits

@@ -181,6 +181,7 @@ def engine_kwargs(engine: Any, compute_dtype: str) -> dict:
         max_prefill_tokens=engine.max_prefill_tokens,
         weights=engine.weights,
         batch_invariant=batch_invariant(engine.batch_invariant, compute_dtype),
+        decode=engine.decode,
     )
 
 

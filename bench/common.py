@@ -26,7 +26,12 @@ def model_config(name: str = "smollm2", compute_dtype: str | None = None) -> Any
     """``conf/model/<name>.yaml`` (its cache dir comes from ``AGL_CACHE``, as in every run)."""
     from omegaconf import OmegaConf
 
-    cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")
+    from agl.config import ModelConfig
+
+    # the yaml holds only choices over the typed schema (agl/config.py); merge them as Hydra does
+    choices = OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")
+    choices.pop("defaults", None)
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), choices)
     if compute_dtype is not None:
         cfg.compute_dtype = compute_dtype
     return cfg

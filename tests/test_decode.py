@@ -1,0 +1,93 @@
+"""agl.decode's step computes what the model's forward computes, and the engine samples the same with it."""
+import asyncio
+
+import pytest
+import torch
+from test_merged import optimizer_step
+
+from agl.decode import decode_step
+from agl.engine import Engine, SamplingParams
+from agl.kv_cache import append_in_place_cache
+from agl.merged import MergedSampler
+from agl.model import load_policy
+
+
+@pytest.fixture()
+def policy(tiny_model_cfg):
+    policy = load_policy(tiny_model_cfg, "cpu")
+    policy.model.eval()
+    return policy
+
+
+def prefilled(model, ids, mask):
+    cache = append_in_place_cache()
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return cache, out.logits[:, -1].argmax(-1)
+
+
+def decode_both(policy, steps=5):
+    """Left-padded rows decoded side by side through the model's forward and through the step."""
+    merged = MergedSampler(policy.model, policy.compute_dtype)
+    step = decode_step(merged)
+    assert step is not None
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, 40000, (3, 9), generator=gen)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[0, :4] = mask[2, :1] = 0
+    (cache_model, tokens), (cache_step, _) = prefilled(merged.model(), ids, mask), prefilled(merged.model(), ids, mask)
+    positions = mask.sum(-1)
+    for _ in range(steps):
+        mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], dim=1)
+        with torch.inference_mode():
+            expected = merged.model()(
+                input_ids=tokens[:, None], attention_mask=mask, position_ids=positions[:, None],
+                past_key_values=cache_model, use_cache=True, logits_to_keep=1,
+            ).logits[:, -1].float()
+            got = step(tokens, positions, mask, cache_step)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        tokens, positions = expected.argmax(-1), positions + 1
+    return merged
+
+
+def test_the_step_matches_the_model_forward_before_and_after_an_update(policy):
+    decode_both(policy)
+    optimizer_step(policy)  # the merge is redone and the stacked weights rebuilt from it
+    decode_both(policy)
+
+
+def test_the_stacked_weights_are_views_of_one_matrix(policy):
+    merged = decode_both(policy, steps=1)
+    attn = merged.model().model.layers[0].self_attn
+    q, k, v = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
+    assert k.data_ptr() == q.data_ptr() + q.numel() * q.element_size()
+    assert v.data_ptr() == k.data_ptr() + k.numel() * k.element_size()
+
+
+def test_the_adapter_path_falls_back_to_the_model_forward(policy):
+    assert Engine(policy, weights="adapter").decode_step is None
+    assert Engine(policy, decode="model").decode_step is None
+    assert Engine(policy).decode_step is not None
+
+
+def test_the_engine_samples_the_same_tokens_and_logprobs_either_way(policy):
+    prompts = [policy.render_chat([{"role": "user", "content": text}]) for text in ("Hi", "What is 2 + 2? Think.", "Name a colour")]
+
+    async def run(decode):
+        engine = Engine(policy, decode=decode)
+        await engine.start()
+        try:
+            params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+            seqs = [s for p in prompts for s in engine.submit(p, params)]
+            sampled = SamplingParams(max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+            seqs += engine.submit(prompts[1], sampled, n=2)
+            await asyncio.gather(*(s.wait() for s in seqs))
+        finally:
+            await engine.stop()
+        return [(s.token_ids, s.logprobs) for s in seqs]
+
+    fast, model = asyncio.run(run("fast")), asyncio.run(run("model"))
+    for (tokens_fast, logprobs_fast), (tokens_model, logprobs_model) in zip(fast, model):
+        assert tokens_fast == tokens_model
+        torch.testing.assert_close(torch.tensor(logprobs_fast), torch.tensor(logprobs_model), atol=1e-5, rtol=0)
