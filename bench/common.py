@@ -27,6 +27,7 @@ def model_config(name: str = "smollm2", compute_dtype: str | None = None) -> Any
     from omegaconf import OmegaConf
 
     cfg = OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")
+    cfg.pop("defaults", None)  # Hydra's defaults list (the schema): load_policy types the rest on ModelConfig
     if compute_dtype is not None:
         cfg.compute_dtype = compute_dtype
     return cfg
