@@ -9,8 +9,13 @@ process (a process's peak RSS cannot be reset); variants alternate within each r
 per variant: RSS after loading the model, peak RSS, RSS at the end, and tokens/s (the ratio is
 the figure to quote: this shared machine's speed moves). Writes bench/results/memory.{md,json}.
 
-Left out for now: a per-phase breakdown of a whole GRPO step (update activations, optimizer,
-SFT); the update's peak is measured by the default job's /usr/bin/time in README.
+``--phases`` (``--prompts`` 64, ``--batch`` 64): where the default job's memory goes, phase by
+phase, in one process per variant (``PHASE_VARIANTS``: "before" = the update as it was, "after" =
+today's defaults): load the policy, build the engine's merged sampler weights, an eval-like greedy
+decode, one SFT warm-up step, one GRPO step's rollouts and its update. A thread samples RSS from
+/proc/self/statm every 10 ms; each phase reports RSS at its start, its peak and at its end, with
+analytic sizes (weights, KV cache, optimizer state, what autograd saved for backward). Writes
+bench/results/memory_phases.{md,json}. ~10 min per variant on this machine, loaded.
 """
 from __future__ import annotations
 
@@ -231,13 +236,13 @@ def phases_child(variant: dict, decode_prompts: int, decode_batch: int) -> dict:
                 async with gate:
                     return [await s.wait() for s in engine.submit(p, params, n)]
 
-            out = [s for seqs in await asyncio.gather(*(one(p) for p in prompts)) for s in seqs]
-            await engine.stop()
-            return out
+            return [s for seqs in await asyncio.gather(*(one(p) for p in prompts)) for s in seqs]
+
+        loop = asyncio.new_event_loop()  # one loop for the engine's whole life (its events belong to the loop it started in)
 
         tok = policy.render_chat
         test = [tok([{"role": "user", "content": r["prompt_text"]}]) for r in gsm8k_prompts("test", decode_prompts)]
-        seqs = phase("eval decode", "", lambda: asyncio.run(decode(test, SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True))))
+        seqs = phase("eval decode", "", lambda: loop.run_until_complete(decode(test, SamplingParams(max_tokens=256, temperature=0.0, ignore_eos=True))))
         rows = min(decode_batch, decode_prompts)
         longest = max(len(p) for p in test[:rows]) + 256
         phases[-1]["what"] = (f"{decode_prompts} prompts x 256 tokens, batch {rows}: KV cache {kv_per_token * sum(len(p) + 256 for p in test[:rows]) / mib:.0f} MiB "
@@ -271,7 +276,7 @@ def phases_child(variant: dict, decode_prompts: int, decode_batch: int) -> dict:
         train = gsm8k_prompts("train", 64)
         picked = [tok([{"role": "user", "content": r["prompt_text"]}]) for r in random.sample(train, grpo.batch_size)]
         params = SamplingParams(max_tokens=grpo.max_tokens, temperature=grpo.temperature, top_p=grpo.top_p, seed=0)
-        seqs = phase("GRPO rollouts", "", lambda: asyncio.run(decode(picked, params, grpo.group_size)))
+        seqs = phase("GRPO rollouts", "", lambda: loop.run_until_complete(decode(picked, params, grpo.group_size)))
         rows = grpo.batch_size * grpo.group_size
         phases[-1]["what"] = (f"B{grpo.batch_size} x G{grpo.group_size} <= {grpo.max_tokens} tokens (mean {sum(len(s.token_ids) for s in seqs) / len(seqs):.0f}): "
                               f"KV cache {kv_per_token * sum(len(s.prompt_ids) + len(s.token_ids) for s in seqs) / mib:.0f} MiB filled, "
@@ -296,6 +301,8 @@ def phases_child(variant: dict, decode_prompts: int, decode_batch: int) -> dict:
         phases[-1]["what"] = (f"{len(samples)} samples, {metrics['train_input_tokens']:.0f} tokens run in {len(chunks)} micro-batches: autograd-saved tensors "
                               f"peak {saved.peak / mib:.0f} MiB; fused head's probabilities [{most}, {config.vocab_size}] fp32 {most * config.vocab_size * 4 / mib:.0f} MiB "
                               f"(in it); AdamW state {opt / mib:.0f} MiB; loss {metrics['loss']:.6f}, grad_norm {metrics['grad_norm']:.6f}")
+        loop.run_until_complete(engine.stop())
+        loop.close()
         import resource
 
         return {"phases": phases, "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
