@@ -298,7 +298,7 @@ def test_sft_checkpointing_and_token_budgets_keep_the_loss_and_gradients(tiny_mo
         stats = sft_loss_and_backward(policy, examples, micro_batch_size=4, **kwargs)
         return stats, [p.grad.clone() for p in policy.trainable_parameters()]
 
-    plain, plain_grads = loss_and_grads()
+    plain, plain_grads = loss_and_grads()  # sft_loss_and_backward's own defaults: no replay, no token cap
     changed, changed_grads = loss_and_grads(**change)
     assert changed["loss"] == pytest.approx(plain["loss"], rel=1e-6)
     assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(changed_grads, plain_grads))
