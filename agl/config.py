@@ -172,7 +172,9 @@ class SFTConfig:
     steps: int = 100  # optimizer steps
     epochs: Optional[float] = None  # if set, replaces steps: ceil(epochs * demonstrations / batch_size)
     batch_size: int = 8  # conversations per optimizer step
-    micro_batch_size: int = 4  # conversations per forward/backward pass
+    micro_batch_size: int = 4  # conversations per forward/backward pass at most
+    micro_batch_tokens: Optional[int] = None  # tokens per pass at most, padding included (None: only micro_batch_size bounds them)
+    gradient_checkpointing: bool = True  # replay each decoder layer in backward instead of keeping its activations (agl/checkpointing.py)
     lr: float = 2e-4  # GSM8K: 40 steps at 2e-4 take format 0 -> 0.79 (RESULTS.md)
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -204,6 +206,7 @@ class GRPOConfig:
     old_logprobs: str = "recorded"  # recorded (sampling-time, from spans) | recompute (trainer forward before step)
     micro_batch_size: Optional[int] = None  # rows per forward/backward pass at most (None: only micro_batch_tokens bounds them)
     micro_batch_tokens: Optional[int] = 2048  # tokens per pass at most, padding included (plan_micro_batches); None: no cap
+    gradient_checkpointing: bool = True  # replay each decoder layer in backward instead of keeping its activations (agl/checkpointing.py)
     max_grad_norm: float = 1.0
     mask_truncated: bool = False  # true: completions cut by max_tokens carry no loss
     drop_zero_std: bool = True  # skip groups whose rewards are all equal: they teach nothing

@@ -20,9 +20,11 @@ from typing import Any
 import torch
 
 from agl.adapter import Sample
+from agl.checkpointing import checkpointed_layers
 from agl.config import GRPOConfig  # noqa: F401 (the typed algo=grpo config lives with the others; its home is agl/config.py)
 from agl.logprobs import token_logprobs
 from agl.loss import group_advantages, policy_loss, token_weights
+from agl.memory import trim
 from agl.model import Policy
 
 
@@ -410,40 +412,42 @@ class GRPOUpdate:
         policy.model.train()
         sums: dict[str, float] = defaultdict(float)
         grad_norm = 0.0
-        for _ in range(cfg.num_iterations):
-            self.optimizer.zero_grad(set_to_none=True)
-            prompt = None
-            for i, (b, adv_B, w_BT, ref_BT) in enumerate(zip(batches, adv_chunks, weights, refs)):
+        with checkpointed_layers(policy.model, cfg.gradient_checkpointing):  # activations of one layer at a time (agl/checkpointing.py)
+            for _ in range(cfg.num_iterations):
+                self.optimizer.zero_grad(set_to_none=True)
+                prompt = None
+                for i, (b, adv_B, w_BT, ref_BT) in enumerate(zip(batches, adv_chunks, weights, refs)):
+                    start = time.perf_counter()
+                    if first[i]:
+                        prompt = SharedPrompt(policy, b.shared_prompt, hidden)
+                    logp_BT, entropy_BT = completion_logprobs(policy, b, with_entropy=True, prompt=prompt if parts[i] else None)
+                    loss, stats = policy_loss(
+                        logp_BT, b.old_logp_BT, adv_B, b.mask_BT, w_BT,
+                        loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
+                        beta=cfg.beta, ref_logp_BT=ref_BT,
+                        sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg, opmd_tau=cfg.opmd_tau,
+                    )
+                    timings["forward_s"] += time.perf_counter() - start
+                    start = time.perf_counter()
+                    loss.backward()
+                    if last[i]:  # the group's last micro-batch: now the prompt's backward, once
+                        prompt.backward()
+                        prompt = None
+                    timings["backward_s"] += time.perf_counter() - start
+                    n = float(stats["tokens"])
+                    sums["tokens"] += n
+                    sums["input_tokens"] += b.num_input_tokens - (len(b.shared_prompt) if parts[i] and not first[i] else 0)
+                    sums["loss"] += float(loss.detach())
+                    for key in ("clip_ratio_low", "clip_ratio_high", "kl", "ratio_mean"):
+                        sums[key] += float(stats[key]) * n
+                    sums["entropy"] += float((entropy_BT * b.mask_BT).sum())
+                    sums["logprob_diff_abs"] += float(((logp_BT.detach() - b.old_logp_BT).abs() * b.mask_BT).sum())
                 start = time.perf_counter()
-                if first[i]:
-                    prompt = SharedPrompt(policy, b.shared_prompt, hidden)
-                logp_BT, entropy_BT = completion_logprobs(policy, b, with_entropy=True, prompt=prompt if parts[i] else None)
-                loss, stats = policy_loss(
-                    logp_BT, b.old_logp_BT, adv_B, b.mask_BT, w_BT,
-                    loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                    beta=cfg.beta, ref_logp_BT=ref_BT,
-                    sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg, opmd_tau=cfg.opmd_tau,
-                )
-                timings["forward_s"] += time.perf_counter() - start
-                start = time.perf_counter()
-                loss.backward()
-                if last[i]:  # the group's last micro-batch: now the prompt's backward, once
-                    prompt.backward()
-                    prompt = None
-                timings["backward_s"] += time.perf_counter() - start
-                n = float(stats["tokens"])
-                sums["tokens"] += n
-                sums["input_tokens"] += b.num_input_tokens - (len(b.shared_prompt) if parts[i] and not first[i] else 0)
-                sums["loss"] += float(loss.detach())
-                for key in ("clip_ratio_low", "clip_ratio_high", "kl", "ratio_mean"):
-                    sums[key] += float(stats[key]) * n
-                sums["entropy"] += float((entropy_BT * b.mask_BT).sum())
-                sums["logprob_diff_abs"] += float(((logp_BT.detach() - b.old_logp_BT).abs() * b.mask_BT).sum())
-            start = time.perf_counter()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.max_grad_norm))
-            self.optimizer.step()
-            timings["optimizer_s"] += time.perf_counter() - start
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.max_grad_norm))
+                self.optimizer.step()
+                timings["optimizer_s"] += time.perf_counter() - start
         policy.model.eval()
+        trim()  # the update's graph was many small blocks: give their pages back before sampling resumes (agl/memory.py)
 
         n_tokens = max(sums["tokens"], 1.0)
         metrics = {

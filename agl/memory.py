@@ -17,13 +17,15 @@ time 9 s -> 46 s of that run). The default job's evals at 64 rows peaked at 15 G
 the default is the memory-safe setting; ``MALLOC_MMAP_THRESHOLD_`` (glibc's own variable, in
 bytes) overrides it, e.g. 33554432 for speed on a machine with memory to spare.
 
-Left out: other allocators (jemalloc, tcmalloc) need LD_PRELOAD before the process starts;
-non-glibc platforms (macOS, musl) keep their own behaviour: this is a no-op there.
+``trim`` (glibc's malloc_trim) gives back the free pages left inside heaps; the trainers call it
+after each update. Left out: other allocators (jemalloc, tcmalloc) need LD_PRELOAD before the
+process starts; non-glibc platforms (macOS, musl) keep their own behaviour: both are no-ops there.
 """
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 
 M_MMAP_THRESHOLD = -3  # mallopt parameters, from glibc's malloc.h
 MMAP_THRESHOLD_BYTES = 1 << 20
@@ -46,3 +48,28 @@ def release_freed_memory(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt and mallopt(M_MMAP_THRESHOLD, threshold) == 1)
+
+
+def trim() -> bool:
+    """Give the free pages of malloc's heaps back to the OS (glibc's ``malloc_trim(0)``); False without glibc.
+
+    With the pinned threshold only blocks under 1 MiB live in heaps, but a phase that makes many
+    of them (an update's autograd graph, a decode's small tensors) leaves free pages between the
+    live ones, which a heap keeps until its top is free. A few ms; the trainers call it after each
+    update (bench/results/memory_phases.md has what it gives back).
+    """
+    malloc_trim = _libc_function("malloc_trim")
+    if malloc_trim is None:
+        return False
+    malloc_trim(0)
+    return True
+
+
+@functools.cache
+def _libc_function(name: str):
+    """libc's ``name``, or None (no libc found, or a libc without it: macOS, musl)."""
+    path = ctypes.util.find_library("c")  # runs ldconfig: once
+    try:
+        return getattr(ctypes.CDLL(path), name) if path else None
+    except (OSError, AttributeError):
+        return None

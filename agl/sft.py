@@ -31,6 +31,7 @@ from agl.checkpoint import TaskCursor, append_metrics, log_baseline, metrics_pat
 from agl.config import SFTConfig, typed
 from agl.errors import ConfigError
 from agl.evaluate import eval_during_training
+from agl.memory import trim
 from agl.runtime import Runtime
 
 
@@ -63,7 +64,28 @@ def render_demonstration(policy: Any, messages: Sequence[dict], max_length: int 
     return ids, mask
 
 
-def sft_loss_and_backward(policy: Any, examples: Sequence[tuple[list[int], list[int]]], micro_batch_size: int) -> dict:
+def sft_micro_batches(lengths: Sequence[int], micro_batch_size: int, micro_batch_tokens: int | None = None) -> list[list[int]]:
+    """Example indices in micro-batches: sorted by length (less padding), at most ``micro_batch_size``
+    rows and, when set, ``micro_batch_tokens`` tokens padding included (rows x the longest) per pass;
+    an example longer than the budget is a pass of its own."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    chunks: list[list[int]] = []
+    for i in order:
+        chunk = chunks[-1] if chunks else None
+        fits = chunk is not None and len(chunk) < micro_batch_size
+        if fits and micro_batch_tokens:
+            fits = (len(chunk) + 1) * lengths[i] <= micro_batch_tokens  # sorted: the new one is the longest
+        if fits:
+            chunk.append(i)
+        else:
+            chunks.append([i])
+    return chunks
+
+
+def sft_loss_and_backward(
+    policy: Any, examples: Sequence[tuple[list[int], list[int]]], micro_batch_size: int,
+    micro_batch_tokens: int | None = None, gradient_checkpointing: bool = False,
+) -> dict:
     """Accumulate gradients of the token-mean NLL over all ``examples`` (one optimizer step).
 
     Only the assistant positions reach the vocabulary: with a plain output layer
@@ -72,41 +94,47 @@ def sft_loss_and_backward(policy: Any, examples: Sequence[tuple[list[int], list[
     ~200 MB of fp32 logits, as much again for their log-softmax and again for its gradient, for
     the ~40% of positions that carry loss.
     """
+    from agl.checkpointing import checkpointed_layers
     from agl.grpo import fused_head
-    from agl.logprobs import token_logprobs
 
     pad_id = policy.tokenizer.pad_token_id if policy.tokenizer.pad_token_id is not None else policy.eos_token_ids[0]
     total_tokens = sum(sum(mask) for _, mask in examples)
     if total_tokens == 0:
         return {"loss": float("nan"), "train_tokens": 0}
     head = fused_head(policy)
+    loss_sum = 0.0
+    with checkpointed_layers(policy.model, gradient_checkpointing):  # activations of one layer at a time (agl/checkpointing.py)
+        for indices in sft_micro_batches([len(ids) for ids, _ in examples], micro_batch_size, micro_batch_tokens):
+            loss_sum += _micro_batch_backward(policy, [examples[i] for i in indices], head, total_tokens, pad_id)
+    return {"loss": loss_sum, "train_tokens": total_tokens}
+
+
+def _micro_batch_backward(policy: Any, chunk: Sequence[tuple[list[int], list[int]]], head: Any, total_tokens: int, pad_id: int) -> float:
+    """One micro-batch's forward and backward of its share of the token-mean NLL; that share."""
+    from agl.logprobs import token_logprobs
+
     model = policy.model.get_base_model()
     device = policy.device
-    loss_sum = 0.0
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i][0]))  # less padding per micro-batch
-    for start in range(0, len(order), micro_batch_size):
-        chunk = [examples[i] for i in order[start : start + micro_batch_size]]
-        length = max(len(ids) for ids, _ in chunk)
-        input_ids_BT = torch.full((len(chunk), length), pad_id, dtype=torch.long)
-        attention_BT = torch.zeros((len(chunk), length), dtype=torch.long)
-        learn_BT = torch.zeros((len(chunk), length), dtype=torch.bool)  # position t is learned: its token is predicted at t-1
-        for row, (ids, mask) in enumerate(chunk):  # right padding: positions start at 0 for every row
-            input_ids_BT[row, : len(ids)] = torch.tensor(ids)
-            attention_BT[row, : len(ids)] = 1
-            learn_BT[row, : len(ids)] = torch.tensor(mask, dtype=torch.bool)
-        inputs = {"input_ids": input_ids_BT.to(device), "attention_mask": attention_BT.to(device), "use_cache": False}
-        predicts_BT = learn_BT[:, 1:].to(device)  # the outputs at positions 0..T-2 that predict a learned token
-        targets_N = input_ids_BT[:, 1:].to(device)[predicts_BT]
-        if head is not None:
-            hidden_BTH = model.get_decoder()(**inputs).last_hidden_state[:, :-1]
-            logp_N, _ = token_logprobs(hidden_BTH[predicts_BT], head.weight, targets_N, torch.ones(len(targets_N), device=device))
-        else:  # an output layer with bias, scaling or soft-capping: the model's own logits
-            logits_BTV = model(**inputs).logits[:, :-1].float()
-            logp_N = torch.log_softmax(logits_BTV[predicts_BT], dim=-1).gather(-1, targets_N[:, None])[:, 0]
-        loss = -logp_N.sum() / total_tokens
-        loss.backward()
-        loss_sum += float(loss.detach())
-    return {"loss": loss_sum, "train_tokens": total_tokens}
+    length = max(len(ids) for ids, _ in chunk)
+    input_ids_BT = torch.full((len(chunk), length), pad_id, dtype=torch.long)
+    attention_BT = torch.zeros((len(chunk), length), dtype=torch.long)
+    learn_BT = torch.zeros((len(chunk), length), dtype=torch.bool)  # position t is learned: its token is predicted at t-1
+    for row, (ids, mask) in enumerate(chunk):  # right padding: positions start at 0 for every row
+        input_ids_BT[row, : len(ids)] = torch.tensor(ids)
+        attention_BT[row, : len(ids)] = 1
+        learn_BT[row, : len(ids)] = torch.tensor(mask, dtype=torch.bool)
+    inputs = {"input_ids": input_ids_BT.to(device), "attention_mask": attention_BT.to(device), "use_cache": False}
+    predicts_BT = learn_BT[:, 1:].to(device)  # the outputs at positions 0..T-2 that predict a learned token
+    targets_N = input_ids_BT[:, 1:].to(device)[predicts_BT]
+    if head is not None:
+        hidden_BTH = model.get_decoder()(**inputs).last_hidden_state[:, :-1]
+        logp_N, _ = token_logprobs(hidden_BTH[predicts_BT], head.weight, targets_N, torch.ones(len(targets_N), device=device))
+    else:  # an output layer with bias, scaling or soft-capping: the model's own logits
+        logits_BTV = model(**inputs).logits[:, :-1].float()
+        logp_N = torch.log_softmax(logits_BTV[predicts_BT], dim=-1).gather(-1, targets_N[:, None])[:, 0]
+    loss = -logp_N.sum() / total_tokens
+    loss.backward()
+    return float(loss.detach())
 
 
 class SFTStage:
@@ -150,10 +178,13 @@ class SFTStage:
         def update() -> dict:
             rt.policy.model.train()
             self.optimizer.zero_grad(set_to_none=True)
-            stats = sft_loss_and_backward(rt.policy, examples, sft_cfg.micro_batch_size)
+            stats = sft_loss_and_backward(
+                rt.policy, examples, sft_cfg.micro_batch_size, sft_cfg.micro_batch_tokens, sft_cfg.gradient_checkpointing,
+            )
             grad_norm = float(torch.nn.utils.clip_grad_norm_(rt.policy.trainable_parameters(), sft_cfg.max_grad_norm))
             self.optimizer.step()
             rt.policy.model.eval()
+            trim()  # the update's graph was many small blocks: give their pages back before sampling resumes (agl/memory.py)
             return {**stats, "grad_norm": grad_norm}
 
         async with rt.engine.paused():  # no forward pass may run while weights change

@@ -229,3 +229,34 @@ def test_micro_batch_keys_default_alike_in_grpo_config_and_the_yaml():
     config = GRPOConfig.from_cfg({k: yaml[k] for k in ("micro_batch_size", "micro_batch_tokens")})
     default = GRPOConfig()
     assert (config.micro_batch_size, config.micro_batch_tokens) == (default.micro_batch_size, default.micro_batch_tokens)
+
+
+@pytest.mark.parametrize("micro_batch_tokens", [None, 40])
+def test_gradient_checkpointing_gives_the_loss_and_gradients_of_kept_activations(policy, micro_batch_tokens, monkeypatch):
+    """Decoder layers replayed in backward (agl/checkpointing.py) against activations kept: the same
+    loss, metrics and LoRA gradients, for groups in one pass each (the prompt's KV cache built inside
+    the checkpointed layers) and for groups cut into parts (completions run against the prompt's cache)."""
+    import agl.checkpointing
+    from agl.checkpointing import decoder_layers
+
+    replays = []
+    real_checkpoint = agl.checkpointing.checkpoint
+    monkeypatch.setattr(agl.checkpointing, "checkpoint", lambda *a, **k: replays.append(1) or real_checkpoint(*a, **k))
+    torch.manual_seed(4)
+    samples = []
+    for g, lengths in enumerate([(2, 17, 3, 15, 9), (12, 1, 11, 4)]):
+        prompt = torch.randint(10, 2000, (13 + 4 * g,)).tolist()
+        samples += make_samples(prompt, [torch.randint(10, 2000, (n,)).tolist() for n in lengths], [1, 0, 0, 1, 0][: len(lengths)], group=f"g{g}")
+    samples += make_samples(torch.randint(10, 2000, (6,)).tolist(), [[5, 6, 7]], [1.0], group="single")
+    advs = [0.5, -1.0, 0.25, 1.5, -0.75, 1.0, -0.5, 0.8, -1.2, 0.3]
+    config = dict(loss_type="grpo", micro_batch_tokens=micro_batch_tokens)
+    kept, kept_grads = lora_grads_after_step(policy, samples, advs, gradient_checkpointing=False, **config)
+    assert not replays
+    replayed, replayed_grads = lora_grads_after_step(policy, samples, advs, gradient_checkpointing=True, **config)
+    assert len(replays) >= len(decoder_layers(policy.model)) * 3  # every layer, in every pass
+    assert all("forward" not in vars(layer) for layer in decoder_layers(policy.model))  # the layers are as they were
+    for key in ("loss", "train_tokens", "entropy", "logprob_diff_abs", "grad_norm"):
+        assert replayed[key] == pytest.approx(kept[key], rel=1e-6, abs=1e-7), key
+    assert kept_grads.keys() == replayed_grads.keys() and kept_grads
+    for name, grad in kept_grads.items():
+        torch.testing.assert_close(replayed_grads[name], grad, atol=1e-7, rtol=1e-5)

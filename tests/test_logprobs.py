@@ -57,3 +57,25 @@ def test_a_second_backward_through_the_same_graph_is_refused():
     logp.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         logp.sum().backward()
+
+
+def test_the_forward_in_blocks_of_rows_gives_what_one_block_gives(monkeypatch):
+    """The forward's logits are made a block of rows at a time (agl.logprobs.CHUNK_BYTES): the same
+    log-probs, entropies and gradients as all rows at once, here in blocks of 3 rows and a last of 1."""
+    import agl.logprobs
+
+    torch.manual_seed(5)
+    hidden, weight = torch.randn(10, 16), torch.randn(50, 16)
+    tokens, temperature = torch.randint(0, 50, (10,)), torch.rand(10) + 0.5
+
+    def run():
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logp, entropy = token_logprobs(h, w, tokens, temperature)
+        (logp * torch.arange(10)).sum().backward()
+        return logp.detach(), entropy, h.grad, w.grad
+
+    whole = run()
+    monkeypatch.setattr(agl.logprobs, "CHUNK_BYTES", 3 * 50 * 4)
+    blocks = run()
+    for a, b in zip(blocks, whole):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)  # BLAS may sum a block of rows in another order

@@ -277,3 +277,38 @@ async def test_an_async_agent_that_blocks_slows_only_itself(tmp_path, caplog):
         for rollout in rollouts:
             assert [s.name for s in await rt.store.query_spans(rollout.rollout_id, "latest")] == ["llm.chat", "reward"]
     assert caplog.text.count("blocked its event loop") >= 4 and "blocking_async_agent" in caplog.text
+
+
+@pytest.mark.parametrize("change", [{"gradient_checkpointing": True}, {"micro_batch_tokens": 40}])
+def test_sft_checkpointing_and_token_budgets_keep_the_loss_and_gradients(tiny_model_cfg, change):
+    """SFT with decoder layers replayed in backward, or cut into passes by a token budget: the same
+    token-mean NLL and gradients as the plain micro-batches."""
+    from agl.sft import sft_loss_and_backward, sft_micro_batches
+
+    policy = load_policy(tiny_model_cfg, "cpu")
+    chats = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+             for q, a in [("Who are you?", "I am Lightning."), ("Name?", "Lightning, and a long answer to pad the batch."),
+                          ("Why?", "Because."), ("How long is this answer going to be, then?", "Quite long: " + "more " * 12)]]
+    examples = [render_demonstration(policy, chat) for chat in chats]
+    if "micro_batch_tokens" in change:
+        assert len(sft_micro_batches([len(ids) for ids, _ in examples], 4, change["micro_batch_tokens"])) > 1
+
+    def loss_and_grads(**kwargs):
+        policy.model.zero_grad(set_to_none=True)
+        stats = sft_loss_and_backward(policy, examples, micro_batch_size=4, **kwargs)
+        return stats, [p.grad.clone() for p in policy.trainable_parameters()]
+
+    plain, plain_grads = loss_and_grads()  # sft_loss_and_backward's own defaults: no replay, no token cap
+    changed, changed_grads = loss_and_grads(**change)
+    assert changed["loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(changed_grads, plain_grads))
+    assert any(g.abs().sum() > 0 for g in plain_grads)
+
+
+def test_sft_micro_batches_sort_by_length_and_keep_to_both_caps():
+    from agl.sft import sft_micro_batches
+
+    lengths = [300, 100, 250, 120, 900, 110]
+    assert sft_micro_batches(lengths, 4) == [[1, 5, 3, 2], [0, 4]]
+    assert sft_micro_batches(lengths, 4, 500) == [[1, 5, 3], [2], [0], [4]]  # 4 x 250 > 500; 900 alone, over the cap
+    assert sorted(i for c in sft_micro_batches(lengths, 2, 600) for i in c) == list(range(6))
