@@ -191,6 +191,17 @@ def lora_grads_after_step(policy, samples, advs, **config) -> tuple[dict, dict]:
     return metrics, lora_grads(policy)
 
 
+def two_groups_and_a_single(seed: int) -> tuple[list, list[float]]:
+    """Two groups of random prompts and completions (5 and 4 samples, lengths 1-17) and a lone sample, with advantages."""
+    torch.manual_seed(seed)
+    samples = []
+    for g, lengths in enumerate([(2, 17, 3, 15, 9), (12, 1, 11, 4)]):
+        prompt = torch.randint(10, 2000, (13 + 4 * g,)).tolist()
+        samples += make_samples(prompt, [torch.randint(10, 2000, (n,)).tolist() for n in lengths], [1, 0, 0, 1, 0][: len(lengths)], group=f"g{g}")
+    samples += make_samples(torch.randint(10, 2000, (6,)).tolist(), [[5, 6, 7]], [1.0], group="single")
+    return samples, [0.5, -1.0, 0.25, 1.5, -0.75, 1.0, -0.5, 0.8, -1.2, 0.3]
+
+
 @pytest.mark.parametrize("output", ["fused", "head module", "model logits"])
 def test_a_group_cut_into_micro_batches_gives_the_loss_and_gradients_of_one_pass(policy, output, monkeypatch):
     """Groups cut into parts (the shared prompt run once, its gradient summed over the parts)
@@ -202,13 +213,7 @@ def test_a_group_cut_into_micro_batches_gives_the_loss_and_gradients_of_one_pass
         monkeypatch.setattr(agl.grpo, "fused_head", lambda policy: None)
     if output == "model logits":
         monkeypatch.setattr(agl.grpo, "_head_gives_logits", lambda policy: False)
-    torch.manual_seed(3)
-    samples = []
-    for g, lengths in enumerate([(2, 17, 3, 15, 9), (12, 1, 11, 4)]):
-        prompt = torch.randint(10, 2000, (13 + 4 * g,)).tolist()
-        samples += make_samples(prompt, [torch.randint(10, 2000, (n,)).tolist() for n in lengths], [1, 0, 0, 1, 0][: len(lengths)], group=f"g{g}")
-    samples += make_samples(torch.randint(10, 2000, (6,)).tolist(), [[5, 6, 7]], [1.0], group="single")
-    advs = [0.5, -1.0, 0.25, 1.5, -0.75, 1.0, -0.5, 0.8, -1.2, 0.3]
+    samples, advs = two_groups_and_a_single(seed=3)
     config = dict(loss_type="grpo", beta=0.1, old_logprobs="recompute")
     whole_plan = plan_micro_batches(samples)
     assert len(whole_plan) == 3  # each group in one pass, and the single
@@ -242,13 +247,7 @@ def test_gradient_checkpointing_gives_the_loss_and_gradients_of_kept_activations
     replays = []
     real_checkpoint = agl.checkpointing.checkpoint
     monkeypatch.setattr(agl.checkpointing, "checkpoint", lambda *a, **k: replays.append(1) or real_checkpoint(*a, **k))
-    torch.manual_seed(4)
-    samples = []
-    for g, lengths in enumerate([(2, 17, 3, 15, 9), (12, 1, 11, 4)]):
-        prompt = torch.randint(10, 2000, (13 + 4 * g,)).tolist()
-        samples += make_samples(prompt, [torch.randint(10, 2000, (n,)).tolist() for n in lengths], [1, 0, 0, 1, 0][: len(lengths)], group=f"g{g}")
-    samples += make_samples(torch.randint(10, 2000, (6,)).tolist(), [[5, 6, 7]], [1.0], group="single")
-    advs = [0.5, -1.0, 0.25, 1.5, -0.75, 1.0, -0.5, 0.8, -1.2, 0.3]
+    samples, advs = two_groups_and_a_single(seed=4)
     config = dict(loss_type="grpo", micro_batch_tokens=micro_batch_tokens)
     kept, kept_grads = lora_grads_after_step(policy, samples, advs, gradient_checkpointing=False, **config)
     assert not replays
