@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from agl.chat import History, OutputAssembler, ToolCallParser, Turn, decode
+from agl.config import ServerConfig
 from agl.engine import SequenceStream
 from agl.openai_schema import ChatCompletionRequest, CompletionRequest
 from agl.types import Span
@@ -207,7 +208,7 @@ class StoredResponse:
 class ResponseStore:
     """Recent stored responses in memory, least recently used first out."""
 
-    def __init__(self, max_responses: int = 1024):
+    def __init__(self, max_responses: int = ServerConfig.stored_responses):
         self.max_responses = max_responses
         self._responses: collections.OrderedDict[str, StoredResponse] = collections.OrderedDict()
 
