@@ -1,22 +1,28 @@
 """GRPO step throughput: agl end to end vs. TRL's GRPOTrainer, side by side in one invocation.
 
 Workload (both systems): SmolLM2-135M-Instruct, NF4 + LoRA r16 (all linear layers), CPU;
-B = 4 GSM8K prompts x G = 8 samples, up to 128 new tokens, temperature 1, lr 1e-5, DAPO loss,
-beta 0, mu 1, the same GSM8K reward (correct 1.0, '#### N' format 0.1) and the same prompt pool
-(the first 64 train questions, through the same chat template and cot prompt).
+B = 4 GSM8K prompts x G = 8 samples, up to ``--new-tokens`` new tokens (default 128), temperature 1,
+lr 1e-5, DAPO loss (clip 0.2 / 0.28), beta 0, mu 1, the same GSM8K reward (correct 1.0, '#### N'
+format 0.1), the same prompt pool (the first 64 train questions, through the same chat template and
+cot prompt), and the same activation checkpointing setting (on by default in both: agl's
+``algo.gradient_checkpointing`` and TRL's ``gradient_checkpointing``, alias ``activation_checkpointing``).
 
   - agl: the real HTTP route, runners, SQLite store and GRPO update (``GRPOTrainer.train_step``).
-  - TRL: ``trl.GRPOTrainer`` (an optional ``bench`` extra, never a runtime dependency), given
-    the same policy object in two configurations: ``trl`` with agl's compute dtype (bf16
-    4-bit matmuls on this CPU) and ``trl-fp32`` with fp32 compute (bitsandbytes' default, the
-    setup of the ~75 s/step figure the issue quotes).
+  - TRL: ``trl.GRPOTrainer`` (an optional ``bench`` extra, never a runtime dependency; written
+    against TRL 1.16), given the same policy object in up to two configurations: ``trl`` with agl's
+    compute dtype (``model.compute_dtype=auto``, resolved by ``agl.model.resolve_compute_dtype``) and
+    ``trl-fp32`` with fp32 compute (bitsandbytes' default). Where agl's dtype resolves to float32
+    (a CPU without native bf16) the two are the same run, so only ``trl`` runs, labelled fp32.
 
 Each system runs in its own subprocess (so each has its own peak RSS), one warm-up step and
 then ``--steps`` timed steps; the driver alternates the systems for ``--rounds`` rounds so
-machine noise hits both alike. The matmul peak (bf16 and fp32 GFLOP/s) is measured first.
+machine noise hits both alike. The matmul peak (bf16 and fp32 GFLOP/s) is measured first; where
+bf16 is not native the bf16 probe uses a small matrix (it runs at well under 1 GFLOP/s there).
+Results go to ``bench/results/grpo_vs_trl_<new tokens>.{md,json}``.
 
-    PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py            # writes bench/results/grpo_vs_trl.{md,json}
-    PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py --only agl trl --rounds 1 --steps 1
+    PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py --new-tokens 128
+    PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py --new-tokens 256
+    PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py --rounds 1 --steps 1 --new-tokens 16   # a smoke test
 """
 from __future__ import annotations
 
@@ -28,29 +34,48 @@ import argparse
 import asyncio
 import datetime
 import json
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from importlib import metadata
 
 from agl.jobs import peak_rss_mib
 from bench.common import RESULTS, ROOT, gsm8k_prompts, load_model, time_method
 
 GFLOP_PER_TOKEN = 0.27  # forward, 2 x 135M parameters; backward counted as 2 x forward
-B, G, NEW_TOKENS, LR, POOL = 4, 8, 128, 1e-5, 64
+B, G, LR, POOL = 4, 8, 1e-5, 64
+EPSILON, EPSILON_HIGH = 0.2, 0.28  # agl's GRPOConfig defaults; given to TRL too (whose epsilon_high defaults to epsilon)
+
+# system -> the model.compute_dtype it is run with ("auto": agl's resolution)
+SYSTEMS = {"agl": "auto", "trl": "auto", "trl-fp32": "float32"}
 
 
-def matmul_peak() -> dict:
+def resolved_dtype(name: str) -> str:
+    """``model.compute_dtype`` as agl resolves it on this machine's CPU: ``float32`` or ``bfloat16``."""
+    import torch
+
+    from agl.model import resolve_compute_dtype
+
+    return str(resolve_compute_dtype(name, torch.device("cpu"))).removeprefix("torch.")
+
+
+def matmul_peak(bf16_native: bool) -> dict:
+    """Best-of-5 GFLOP/s of a square matmul per dtype. bf16 without native support runs at well
+    under 1 GFLOP/s, so there a 256x256 probe (a fraction of a second) stands in for 2048x2048."""
     import torch
 
     out = {}
-    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
-        a, b = torch.randn(2048, 2048, dtype=dtype), torch.randn(2048, 2048, dtype=dtype)
+    for name, dtype, n in (("bf16", torch.bfloat16, 2048 if bf16_native else 256), ("fp32", torch.float32, 2048)):
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
         for _ in range(2):
             a @ b
         best = min(_timed(lambda: a @ b) for _ in range(5))
-        out[f"{name}_gflops"] = 2 * 2048**3 / best / 1e9
+        out[f"{name}_gflops"] = 2 * n**3 / best / 1e9
+        out[f"{name}_probe_n"] = n
+    out["bf16_native"] = bf16_native
     return out
 
 
@@ -63,7 +88,7 @@ def _timed(fn) -> float:
 # ----------------------------------------------------------------------------- agl worker
 
 
-def run_agl(steps: int) -> dict:
+def run_agl(steps: int, new_tokens: int, gradient_checkpointing: bool) -> dict:
     from hydra import compose, initialize_config_dir
 
     from agl.config import register_configs
@@ -71,9 +96,12 @@ def run_agl(steps: int) -> dict:
     from agl.trainer import GRPOTrainer
 
     overrides = [
-        "task=gsm8k", "algo=grpo", "progress=false", f"task.max_tokens={NEW_TOKENS}", "task.eval_size=0",
+        "task=gsm8k", "algo=grpo", "progress=false", f"task.max_tokens={new_tokens}", "task.eval_size=0",
         f"algo.batch_size={B}", f"algo.group_size={G}", f"algo.lr={LR}", "algo.loss_type=dapo", "algo.temperature=1.0",
+        f"algo.epsilon={EPSILON}", f"algo.epsilon_high={EPSILON_HIGH}",
         "algo.beta=0", "algo.num_iterations=1", "algo.eval_every=0", f"algo.steps={steps + 1}", "algo.micro_batch_size=8",
+        f"algo.gradient_checkpointing={str(gradient_checkpointing).lower()}",
+        "algo.warmup.steps=0",  # gsm8k's recipe has an SFT warm-up; train_step is called directly, so build none
         "runner.n=32", "algo.drop_zero_std=false",  # the same work as TRL, which updates on every group
     ]
     register_configs()  # the schemas conf/ names
@@ -92,17 +120,18 @@ def run_agl(steps: int) -> dict:
                     start = time.perf_counter()
                     m = await trainer.train_step()
                     total = time.perf_counter() - start
-                    completion_tokens = m["completion_len_mean"] * m["rollouts"]
+                    logprob = m.get("old_logprob_s", 0.0) + m.get("ref_s", 0.0) + m.get("forward_s", 0.0)
+                    backward_optimizer = m.get("backward_s", 0.0) + m.get("optimizer_s", 0.0)
                     rows.append({
                         "warmup": step == 0,
                         "step_s": total,
-                        "completion_tokens": completion_tokens,
+                        "completion_tokens": m["completion_len_mean"] * m["rollouts"],
                         "generation_s": m["time_rollout_s"],
-                        "logprob_s": m.get("old_logprob_s", 0.0) + m.get("ref_s", 0.0) + m.get("forward_s", 0.0),
-                        "backward_optimizer_s": m.get("backward_s", 0.0) + m.get("optimizer_s", 0.0),
-                        "overhead_s": total - m["time_rollout_s"] - m.get("forward_s", 0.0) - m.get("backward_s", 0.0) - m.get("optimizer_s", 0.0),
-                        "prompt_tokens": m.get("prompt_tokens", 0),
-                        "train_tokens": m.get("train_input_tokens", 0),
+                        "logprob_s": logprob,
+                        "backward_optimizer_s": backward_optimizer,
+                        "overhead_s": total - m["time_rollout_s"] - logprob - backward_optimizer,
+                        "prompt_tokens": m.get("prompt_tokens", 0),  # prefilled by the engine (a group's prompt once)
+                        "train_tokens": m.get("train_input_tokens", 0),  # run through the update (a group's prompt once)
                         "reward_mean": m["reward_mean"],
                     })
                 return rows
@@ -113,9 +142,17 @@ def run_agl(steps: int) -> dict:
 # ----------------------------------------------------------------------------- TRL worker
 
 
-def run_trl(steps: int, compute_dtype: str = "auto") -> dict:
+def run_trl(steps: int, new_tokens: int, gradient_checkpointing: bool, compute_dtype: str) -> dict:
+    """TRL's GRPOTrainer on agl's policy object. Phases, by wrapping TRL 1.16's methods:
+    generation = ``_generate`` (tokenize, ``model.generate``, decode); logprob passes = ``compute_loss``
+    (its forward through ``_get_per_token_logps_and_entropies``, and the loss) plus any old-logprob pass
+    made while preparing inputs (none at mu=1); backward + optimizer = ``training_step`` minus
+    ``_prepare_inputs`` and ``compute_loss``, plus the time from ``training_step``'s return to the end of
+    the step (grad clipping, ``optimizer.step``, scheduler, ``zero_grad``). The rest (reward scoring,
+    advantages, padding) is overhead."""
     from collections import defaultdict
 
+    import torch
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -131,6 +168,7 @@ def run_trl(steps: int, compute_dtype: str = "auto") -> dict:
 
     timings: dict[str, float] = defaultdict(float)
     rows: list[dict] = []
+    holder: dict = {}
 
     class StepTimer(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
@@ -138,75 +176,130 @@ def run_trl(steps: int, compute_dtype: str = "auto") -> dict:
             timings["start"] = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
-            total = time.perf_counter() - timings["start"]
+            end = time.perf_counter()
+            total = end - timings["start"]
+            logprob = timings["compute_loss"] + timings["logps_outside_loss"]
+            backward_optimizer = (timings["training_step"] - timings["prepare_inputs"] - timings["compute_loss"]) + (end - timings["training_step_end"])
+            rewards = holder["trainer"]._metrics["train"].get("reward") or [0.0]
             rows.append({
                 "warmup": not rows,
                 "step_s": total,
                 "completion_tokens": timings["completion_tokens"],
                 "generation_s": timings["generate"],
-                "logprob_s": timings["logps"],
-                "backward_optimizer_s": timings["training_step"] - timings["prepare_inputs"] - timings["compute_loss"],
-                "overhead_s": total - timings["generate"] - timings["logps"] - (timings["training_step"] - timings["prepare_inputs"] - timings["compute_loss"]),
-                "reward_mean": timings.get("reward_mean", 0.0),
+                "logprob_s": logprob,
+                "backward_optimizer_s": backward_optimizer,
+                "overhead_s": total - timings["generate"] - logprob - backward_optimizer,
+                "prompt_tokens": timings["prompt_tokens"],  # prefilled by model.generate: every row's prompt
+                "train_tokens": timings["train_tokens"],  # unpadded prompt + completion tokens of every row
+                "reward_mean": rewards[-1],
             })
 
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
             output_dir=out, per_device_train_batch_size=B * G, gradient_accumulation_steps=1, num_generations=G,
-            max_completion_length=NEW_TOKENS, learning_rate=LR, max_steps=steps + 1, temperature=1.0, beta=0.0,
-            num_iterations=1, loss_type="dapo", logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
-            bf16=False, seed=0, dataloader_num_workers=0,
+            max_completion_length=new_tokens, learning_rate=LR, max_steps=steps + 1, temperature=1.0, beta=0.0,
+            num_iterations=1, loss_type="dapo", epsilon=EPSILON, epsilon_high=EPSILON_HIGH,
+            activation_checkpointing=gradient_checkpointing,  # transformers 5's name; TRL's default (gradient_checkpointing) is on
+            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0, dataloader_num_workers=0,
         )
         trainer = GRPOTrainer(model=policy.model, reward_funcs=reward_fn, args=args, train_dataset=dataset, processing_class=policy.tokenizer, callbacks=[StepTimer()])
+        holder["trainer"] = trainer
+        # TRL casts a quantized model's trainable (LoRA) weights to bf16, the QLoRA recipe. agl trains them in
+        # fp32; with fp32 compute, bf16 LoRA weights would put bf16 matmuls back into every layer (slow where
+        # bf16 is not native), so they go back to fp32 here, before train() builds the optimizer.
+        if policy.compute_dtype == torch.float32:
+            for p in trainer.model.parameters():
+                if p.requires_grad and p.dtype != torch.float32:
+                    p.data = p.data.float()
+        adapter_dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in trainer.model.parameters() if p.requires_grad})
+
         time_method(trainer, "_generate", "generate", timings)
-        time_method(trainer, "_get_per_token_logps_and_entropies", "logps", timings)
-        time_method(trainer, "training_step", "training_step", timings)
-        time_method(trainer, "compute_loss", "compute_loss", timings)
         time_method(trainer, "_prepare_inputs", "prepare_inputs", timings)
-        original = trainer._generate
+        time_method(trainer, "compute_loss", "compute_loss", timings)
+        in_loss = [False]
+        compute_loss, logps, training_step, generate = trainer.compute_loss, trainer._get_per_token_logps_and_entropies, trainer.training_step, trainer._generate
+
+        def flagged_compute_loss(*a, **kw):
+            in_loss[0] = True
+            try:
+                return compute_loss(*a, **kw)
+            finally:
+                in_loss[0] = False
+
+        def timed_logps(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return logps(*a, **kw)
+            finally:
+                if not in_loss[0]:
+                    timings["logps_outside_loss"] += time.perf_counter() - start
+
+        def timed_training_step(*a, **kw):
+            start = time.perf_counter()
+            try:
+                return training_step(*a, **kw)
+            finally:
+                timings["training_step_end"] = time.perf_counter()
+                timings["training_step"] += timings["training_step_end"] - start
 
         def counting_generate(prompts):
-            result = original(prompts)
-            completion_ids = result[1] if isinstance(result, tuple) else None
-            if completion_ids is not None:
-                timings["completion_tokens"] += sum(len(c) for c in completion_ids)
+            result = generate(prompts)  # (prompt_ids, completion_ids, tool_mask, completions, logprobs, ...) in TRL 1.16
+            prompt_ids, completion_ids = result[0], result[1]
+            timings["completion_tokens"] += sum(len(c) for c in completion_ids)
+            timings["prompt_tokens"] += sum(len(p) for p in prompt_ids)
+            timings["train_tokens"] += sum(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
             return result
 
+        trainer.compute_loss = flagged_compute_loss
+        trainer._get_per_token_logps_and_entropies = timed_logps
+        trainer.training_step = timed_training_step
         trainer._generate = counting_generate
         trainer.train()
-    return {"steps": rows}
+    return {"steps": rows, "adapter_dtype": "/".join(adapter_dtypes)}
 
 
 # ----------------------------------------------------------------------------- driver
 
 
-SYSTEMS = {
-    "agl": lambda steps: run_agl(steps),
-    "trl": lambda steps: run_trl(steps, "auto"),  # TRL on agl's policy: bf16 4-bit matmuls here
-    "trl-fp32": lambda steps: run_trl(steps, "float32"),  # NF4 weights, fp32 compute (bitsandbytes' default)
-}
-
-
-def worker(system: str, steps: int) -> None:
-    result = SYSTEMS[system](steps)
+def worker(system: str, steps: int, new_tokens: int, gradient_checkpointing: bool) -> None:
+    if system == "agl":
+        result = run_agl(steps, new_tokens, gradient_checkpointing)
+    else:
+        result = run_trl(steps, new_tokens, gradient_checkpointing, SYSTEMS[system])
     result["peak_rss_mib"] = peak_rss_mib()
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def launch(system: str, steps: int) -> dict:
+def launch(system: str, steps: int, new_tokens: int, gradient_checkpointing: bool) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, __file__, "--worker", system, "--steps", str(steps)], cwd=ROOT, env=env, capture_output=True, text=True)
+    command = [sys.executable, __file__, "--worker", system, "--steps", str(steps), "--new-tokens", str(new_tokens)]
+    command.append("--gradient-checkpointing" if gradient_checkpointing else "--no-gradient-checkpointing")
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
     raise RuntimeError(f"{system} worker failed:\n{proc.stderr[-4000:]}")
 
 
-def summarize(runs: list[dict]) -> dict:
+def pick_systems(asked: list[str] | None, dtypes: dict[str, str]) -> tuple[list[str], str | None]:
+    """The systems to run, and a note when ``trl-fp32`` is dropped because ``trl`` already computes in fp32."""
+    systems = asked or list(SYSTEMS)
+    if "trl" in systems and "trl-fp32" in systems and dtypes["trl"] == dtypes["trl-fp32"]:
+        note = (f"`trl-fp32` was not run: agl's model.compute_dtype=auto resolves to {dtypes['trl']} on this CPU "
+                "(no native bf16), so `trl` (TRL on agl's compute dtype) already is the fp32 configuration.")
+        return [s for s in systems if s != "trl-fp32"], note
+    return systems, None
+
+
+def summarize(runs: list[dict], peak: dict, dtype: str) -> dict:
     steps = [s for run in runs for s in run["steps"] if not s["warmup"]]
     med = lambda key: statistics.median(s.get(key, 0.0) for s in steps)  # noqa: E731
     step_s = med("step_s")
+    flops = _step_gflop(steps)
+    peak_gflops = peak["bf16_gflops" if dtype == "bfloat16" else "fp32_gflops"]
     return {
+        "compute_dtype": dtype,
+        "adapter_dtype": runs[0].get("adapter_dtype", "float32"),
         "steps_timed": len(steps),
         "step_s": step_s,
         "completion_tok_s": statistics.median(s["completion_tokens"] / s["step_s"] for s in steps),
@@ -215,58 +308,91 @@ def summarize(runs: list[dict]) -> dict:
         "backward_optimizer_s": med("backward_optimizer_s"),
         "overhead_s": med("overhead_s"),
         "completion_tokens": med("completion_tokens"),
+        "reward_mean": med("reward_mean"),
         "peak_rss_mib": max(run["peak_rss_mib"] for run in runs),
-        "flops_per_step_gflop": _step_gflop(steps),
+        "flops_per_step_gflop": flops,
+        "achieved_gflops": flops / step_s,
+        "peak_gflops": peak_gflops,
+        "fraction_of_peak": flops / step_s / peak_gflops,  # of the matmul peak of the dtype it computes in
     }
 
 
 def _step_gflop(steps: list[dict]) -> float:
-    """Generation (prompt + completion tokens, forward) + update (forward + 2x backward)."""
+    """Generation (prompt + completion tokens, forward) + update (forward + 2x backward), on the tokens each
+    system ran (unpadded): agl prefills and trains a group's shared prompt once, TRL once per row."""
     completion = statistics.median(s["completion_tokens"] for s in steps)
     prompt = statistics.median(s.get("prompt_tokens", 0) for s in steps) or B * 110  # ~110-token GSM8K prompts
-    train = statistics.median(s.get("train_tokens", 0) for s in steps) or (B * G * (prompt / B) + completion)
+    train = statistics.median(s.get("train_tokens", 0) for s in steps) or (G * prompt + completion)
     return GFLOP_PER_TOKEN * (prompt + completion) + 3 * GFLOP_PER_TOKEN * train
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per round (after one warm-up step)")
+    parser.add_argument("--new-tokens", type=int, default=128, help="max new tokens per completion, both systems")
+    parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                        help="activation checkpointing of the decoder layers in both systems (default on: agl's and TRL's default)")
     parser.add_argument("--only", nargs="+", choices=list(SYSTEMS), help="run only these systems")
     parser.add_argument("--worker", choices=list(SYSTEMS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker, args.steps)
+        return worker(args.worker, args.steps, args.new_tokens, args.gradient_checkpointing)
 
-    peak = matmul_peak()
-    systems = args.only or list(SYSTEMS)
+    dtypes = {system: resolved_dtype(name) for system, name in SYSTEMS.items()}
+    systems, note = pick_systems(args.only, dtypes)
+    peak = matmul_peak(bf16_native=resolved_dtype("auto") == "bfloat16")
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     for round_ in range(args.rounds):
         for system in systems if round_ % 2 == 0 else systems[::-1]:
             print(f"round {round_ + 1}/{args.rounds}: {system} ...", flush=True)
-            runs[system].append(launch(system, args.steps))
-    summary = {s: summarize(r) for s, r in runs.items()}
-    for s in summary.values():
-        s["achieved_gflops"] = s["flops_per_step_gflop"] / s["step_s"]
-        s["fraction_of_bf16_peak"] = s["achieved_gflops"] / peak["bf16_gflops"]
-    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "workload": {"B": B, "G": G, "new_tokens": NEW_TOKENS, "lr": LR}, "matmul_peak": peak, "summary": summary, "runs": runs}
+            runs[system].append(launch(system, args.steps, args.new_tokens, args.gradient_checkpointing))
+    summary = {s: summarize(r, peak, dtypes[s]) for s, r in runs.items()}
+    result = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": shlex.join(["PYTHONPATH=.", ".venv/bin/python", "bench/grpo_vs_trl.py", *sys.argv[1:]]),
+        "workload": {"B": B, "G": G, "new_tokens": args.new_tokens, "lr": LR, "epsilon": EPSILON, "epsilon_high": EPSILON_HIGH,
+                     "gradient_checkpointing": args.gradient_checkpointing},
+        "versions": {p: _version(p) for p in ("trl", "transformers", "torch", "peft", "bitsandbytes")},
+        "compute_dtypes": dtypes, "note": note, "matmul_peak": peak, "summary": summary, "runs": runs,
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "grpo_vs_trl.json").write_text(json.dumps(result, indent=1))
-    (RESULTS / "grpo_vs_trl.md").write_text(render(result))
+    stem = f"grpo_vs_trl_{args.new_tokens}"
+    (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1))
+    (RESULTS / f"{stem}.md").write_text(render(result))
     print(render(result))
 
 
+def _short(dtype: str) -> str:
+    return {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(dtype, dtype)
+
+
 def render(result: dict) -> str:
-    summary, peak = result["summary"], result["matmul_peak"]
+    summary, peak, work = result["summary"], result["matmul_peak"], result["workload"]
     cols = list(summary)
+    bf16_probe = f"bf16 {peak['bf16_gflops']:.1f} GFLOP/s" + ("" if peak["bf16_native"] else f" (not native here; {peak['bf16_probe_n']}² probe)")
+    checkpointing = "on in both (agl `algo.gradient_checkpointing=true`, TRL `gradient_checkpointing`/`activation_checkpointing=True`, TRL 1.16's default)" \
+        if work["gradient_checkpointing"] else "off in both (agl `algo.gradient_checkpointing=false`, TRL `activation_checkpointing=False`)"
+    versions = ", ".join(f"{k} {v}" for k, v in result["versions"].items())
     lines = [
-        "# GRPO step: agl vs TRL GRPOTrainer",
+        f"# GRPO step: agl vs TRL GRPOTrainer, <= {work['new_tokens']} new tokens",
         "",
-        f"{result['date']}. SmolLM2-135M-Instruct NF4 + LoRA r16, CPU (2 cores). B={B} prompts x G={G}, <= {NEW_TOKENS} new tokens, lr {LR}, DAPO, beta 0, mu 1. "
+        f"{result['date']}. SmolLM2-135M-Instruct NF4 + LoRA r16, CPU (2 cores). B={work['B']} prompts x G={work['G']}, "
+        f"<= {work['new_tokens']} new tokens, lr {work['lr']}, DAPO (clip {work['epsilon']} / {work['epsilon_high']}), beta 0, mu 1. "
+        f"Activation checkpointing: {checkpointing}. "
         f"Median over timed steps (after a warm-up step per process), systems alternated. Matmul peak measured here: "
-        f"bf16 {peak['bf16_gflops']:.0f} GFLOP/s, fp32 {peak['fp32_gflops']:.0f} GFLOP/s. Written by `bench/grpo_vs_trl.py`.",
+        f"{bf16_probe}, fp32 {peak['fp32_gflops']:.0f} GFLOP/s. {versions}. Written by `bench/grpo_vs_trl.py`:",
         "",
-        "| | " + " | ".join(cols) + " |",
+        f"    {result['command']}",
+        "",
+        "| | " + " | ".join(f"{c} ({_short(summary[c]['compute_dtype'])})" for c in cols) + " |",
         "|---|" + "---:|" * len(cols),
     ]
     rows = [
@@ -277,10 +403,12 @@ def render(result: dict) -> str:
         ("backward + optimizer s", "backward_optimizer_s", "{:.1f}"),
         ("overhead s", "overhead_s", "{:.1f}"),
         ("completion tokens / step", "completion_tokens", "{:.0f}"),
+        ("reward mean", "reward_mean", "{:.3f}"),
         ("peak RSS MiB", "peak_rss_mib", "{:.0f}"),
         ("GFLOP / step (est.)", "flops_per_step_gflop", "{:.0f}"),
         ("achieved GFLOP/s", "achieved_gflops", "{:.1f}"),
-        ("fraction of bf16 matmul peak", "fraction_of_bf16_peak", "{:.3f}"),
+        ("fraction of matmul peak (its compute dtype)", "fraction_of_peak", "{:.3f}"),
+        ("LoRA weights dtype", "adapter_dtype", "{}"),
     ]
     for label, key, fmt in rows:
         lines.append(f"| {label} | " + " | ".join(fmt.format(summary[c][key]) for c in cols) + " |")
@@ -288,10 +416,20 @@ def render(result: dict) -> str:
         if {"agl", trl} <= set(summary):
             ratio = summary[trl]["step_s"] / summary["agl"]["step_s"]
             lines += ["", f"**agl steps/s ÷ {trl} steps/s = {ratio:.2f}×**"]
-    lines += ["", "`trl`: TRL's GRPOTrainer on agl's policy object (the same NF4 base and fresh LoRA, bf16 4-bit matmuls on this "
-              "CPU, bitsandbytes' CPU repacking off). `trl-fp32`: the same, with fp32 compute, bitsandbytes' default."]
+    lines += ["", "`trl`: TRL's GRPOTrainer on agl's policy object (the same NF4 base and fresh LoRA) with agl's compute dtype "
+              "(model.compute_dtype=auto: bf16 where the CPU has it natively, else fp32; bitsandbytes' CPU repacking off). "
+              "`trl-fp32`: the same with fp32 compute, bitsandbytes' default."]
+    if result.get("note"):
+        lines += ["", result["note"]]
+    lines += ["", "TRL 1.16 casts a quantized model's LoRA weights to bf16 (the QLoRA recipe); where TRL computes in fp32 the "
+              "bench casts them back to fp32, as agl trains them (row 'LoRA weights dtype')."]
     lines += ["", "For agl, generation is the rollout phase (agents calling the route, including their HTTP and store work); "
-              "its update-side forward passes are counted under logprob passes. TRL's compute_loss forward is counted the same way."]
+              "its update-side forward passes are counted under logprob passes. TRL's generation is `_generate` "
+              "(`model.generate` on the whole batch); its `compute_loss` forward is counted under logprob passes; its "
+              "backward + optimizer is `training_step` less input preparation and `compute_loss`, plus grad clipping "
+              "and `optimizer.step`; reward scoring and advantages are overhead. GFLOP / step counts the tokens each "
+              "system ran (unpadded): agl prefills and trains a group's shared prompt once, TRL once per row. The matmul "
+              "peak of the dtype each system computes in is the denominator of its fraction."]
     return "\n".join(lines) + "\n"
 
 
