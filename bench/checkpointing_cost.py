@@ -1,0 +1,84 @@
+"""What replaying decoder layers in backward costs in update time (``algo.gradient_checkpointing``).
+
+One GRPO update of 8 completions x ``--tokens`` random tokens sharing a 150-token prompt on the
+embedded model (NF4 + fresh LoRA r16, dapo, lr 0: the weights never change), with checkpointing on
+and off, alternated for ``--rounds`` rounds in one process; medians. The memory it saves is
+bench/memory.py --phases' (BENCHMARKS.md "Memory of the default job").
+
+    PYTHONPATH=. .venv/bin/python bench/checkpointing_cost.py       # ~3 min; writes bench/results/checkpointing_cost.{md,json}
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see harness.py
+
+from agl.memory import release_freed_memory  # noqa: E402
+
+release_freed_memory()  # as harness.py: the update's allocations as in a run
+
+import argparse  # noqa: E402
+import datetime  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+import agl.grpo as grpo  # noqa: E402
+from agl.adapter import Sample  # noqa: E402
+from bench.common import RESULTS, load_model  # noqa: E402
+
+PROMPT, ROWS = 150, 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=200, help="completion tokens per sample")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    policy = load_model("smollm2")
+    rng = random.Random(0)
+    samples = [
+        Sample(rollout_id=str(i), prompt_ids=list(range(1000, 1000 + PROMPT)), completion_ids=[rng.randint(100, 40000) for _ in range(args.tokens)],
+               mask=[1] * args.tokens, logprobs=[-1.0] * args.tokens, reward=float(i % 2), truncated=False, group="g")
+        for i in range(ROWS)
+    ]
+    advantages = [1.0 if i % 2 else -1.0 for i in range(ROWS)]
+    runs: dict[str, list[dict]] = {"on": [], "off": []}
+    for round_ in range(args.rounds + 1):  # round 0 warms up
+        for name in ("on", "off") if round_ % 2 == 0 else ("off", "on"):
+            update = grpo.GRPOUpdate(policy, grpo.GRPOConfig(lr=0.0, loss_type="dapo", gradient_checkpointing=name == "on"))
+            start = time.perf_counter()
+            metrics = update.step(samples, advantages)
+            row = {"step_s": time.perf_counter() - start, "forward_s": metrics["forward_s"], "backward_s": metrics["backward_s"], "tokens": metrics["train_input_tokens"]}
+            print(f"round {round_}, checkpointing {name}: {row['step_s']:.1f} s", flush=True)
+            if round_:
+                runs[name].append(row)
+    med = {name: {key: statistics.median(r[key] for r in rows) for key in rows[0]} for name, rows in runs.items()}
+    ratio = statistics.median(on["step_s"] / off["step_s"] for on, off in zip(runs["on"], runs["off"]))
+    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
+              "tokens": args.tokens, "rounds": args.rounds, "median": med, "on_over_off": ratio, "runs": runs}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "checkpointing_cost.json").write_text(json.dumps(result, indent=1) + "\n")
+    tokens = med["on"]["tokens"]
+    lines = [
+        "# Update time with and without replaying decoder layers in backward",
+        "",
+        f"{result['date']}, {result['cpu']}, {result['threads']} torch threads. One GRPO update of {ROWS} x {args.tokens} completion tokens "
+        f"sharing a {PROMPT}-token prompt ({tokens:.0f} tokens run), medians of {args.rounds} alternated rounds. Written by `bench/checkpointing_cost.py`.",
+        "",
+        "| `algo.gradient_checkpointing` | update s | forward s | backward s | ms per token run |",
+        "|---|---:|---:|---:|---:|",
+        *(f"| {name} | {m['step_s']:.1f} | {m['forward_s']:.1f} | {m['backward_s']:.1f} | {1000 * m['step_s'] / m['tokens']:.1f} |" for name, m in med.items()),
+        "",
+        f"**on / off = {ratio:.2f}** (median of the per-round ratios).",
+    ]
+    (RESULTS / "checkpointing_cost.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
