@@ -41,12 +41,7 @@ def release_freed_memory(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
 
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:
         return False
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-        mallopt = libc.mallopt if libc is not None else None
-    except (OSError, AttributeError):
-        return False
+    mallopt = _libc_function("mallopt")
     return bool(mallopt and mallopt(M_MMAP_THRESHOLD, threshold) == 1)
 
 
