@@ -103,8 +103,9 @@ class CustomRuntime(Runtime):
 
 
 async def run_custom(cfg: DictConfig, run_dir: Path) -> Any:
-    fn, provided = load_algorithm(cfg.algo)
-    args = OmegaConf.to_container(typed(CustomConfig, cfg.algo).args, resolve=True)
+    algo = typed(CustomConfig, cfg.algo)
+    fn, provided = load_algorithm(algo)
+    args = OmegaConf.to_container(algo.args, resolve=True)
     async with CustomRuntime(cfg, run_dir) as rt:
         await rt.store.set_run_info("config", OmegaConf.to_container(cfg, resolve=True))
         result = await fn(**{name: PROVIDED[name](rt) for name in provided}, **args)
