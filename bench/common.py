@@ -56,3 +56,21 @@ def time_method(obj: Any, name: str, key: str, timings: dict) -> None:
             timings[key] += time.perf_counter() - start
 
     setattr(obj, name, timed)
+
+
+def timed(fn: Any) -> float:
+    """Seconds one call of ``fn()`` takes."""
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def matmul_probe(dtype: Any, n: int = 2048, rounds: int = 5, warmup: int = 1) -> float:
+    """GFLOP/s of an n x n matmul in ``dtype`` (a torch dtype), best of ``rounds`` after ``warmup`` calls."""
+    import torch
+
+    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    for _ in range(warmup):
+        a @ b
+    best = min(timed(lambda: a @ b) for _ in range(rounds))
+    return 2 * n**3 / best / 1e9

@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import statistics
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -30,7 +29,7 @@ import torch
 from agl.decode import LlamaDecodeStep
 from agl.kv_cache import cache_from_tensors
 from agl.merged import MergedSampler
-from bench.common import RESULTS, load_model
+from bench.common import RESULTS, load_model, timed
 
 
 def batch(config, rows: int, cached: int) -> tuple:
@@ -51,11 +50,6 @@ def main() -> None:
     step = LlamaDecodeStep(MergedSampler(policy.model, policy.compute_dtype))
     config, threads = policy.model.config, torch.get_num_threads()
     pool = ThreadPoolExecutor(2, initializer=torch.set_num_threads, initargs=(1,))
-
-    def timed(fn) -> float:
-        start = time.perf_counter()
-        fn()
-        return time.perf_counter() - start
 
     def run(b: tuple) -> None:
         step(*b)

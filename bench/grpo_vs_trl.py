@@ -43,7 +43,7 @@ import time
 from importlib import metadata
 
 from agl.jobs import peak_rss_mib
-from bench.common import RESULTS, ROOT, gsm8k_prompts, load_model, time_method
+from bench.common import RESULTS, ROOT, gsm8k_prompts, load_model, matmul_probe, time_method
 
 GFLOP_PER_TOKEN = 0.27  # forward, 2 x 135M parameters; backward counted as 2 x forward
 B, G, LR, POOL = 4, 8, 1e-5, 64
@@ -69,20 +69,10 @@ def matmul_peak(bf16_native: bool) -> dict:
 
     out = {}
     for name, dtype, n in (("bf16", torch.bfloat16, 2048 if bf16_native else 256), ("fp32", torch.float32, 2048)):
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        for _ in range(2):
-            a @ b
-        best = min(_timed(lambda: a @ b) for _ in range(5))
-        out[f"{name}_gflops"] = 2 * n**3 / best / 1e9
+        out[f"{name}_gflops"] = matmul_probe(dtype, n, warmup=2)
         out[f"{name}_probe_n"] = n
     out["bf16_native"] = bf16_native
     return out
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 # ----------------------------------------------------------------------------- agl worker

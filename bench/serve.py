@@ -48,7 +48,7 @@ from agl.engine import Engine
 from agl.jobs import peak_rss_mib
 from agl.model import load_policy
 from agl.server import ModelServer
-from bench.common import RESULTS, gsm8k_prompts, model_config
+from bench.common import RESULTS, gsm8k_prompts, matmul_probe, model_config, timed
 
 
 def gsm8k_messages(count: int) -> list[list[dict]]:
@@ -100,22 +100,8 @@ def direct_run(policy, work: list[list[dict]], batch_size: int, new_tokens: int)
 def memory_probe(gib: float = 1.0, rounds: int = 5) -> float:
     """GB/s reading a ``gib`` GiB float32 tensor (a sum), best of ``rounds``."""
     data = torch.ones(int(gib * 2**30) // 4)
-    best = min(_timed(data.sum) for _ in range(rounds))
+    best = min(timed(data.sum) for _ in range(rounds))
     return data.numel() * 4 / best / 1e9
-
-
-def matmul_probe(dtype: torch.dtype, n: int = 2048, rounds: int = 5) -> float:
-    """GFLOP/s of an n x n matmul in ``dtype``, best of ``rounds``."""
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-    a @ b
-    best = min(_timed(lambda: a @ b) for _ in range(rounds))
-    return 2 * n**3 / best / 1e9
-
-
-def _timed(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def step_costs(engine: Engine) -> dict:
