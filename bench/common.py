@@ -74,3 +74,22 @@ def matmul_probe(dtype: Any, n: int = 2048, rounds: int = 5, warmup: int = 1) ->
         a @ b
     best = min(timed(lambda: a @ b) for _ in range(rounds))
     return 2 * n**3 / best / 1e9
+
+
+def decode_inputs(config: Any, rows: int, cached: int) -> tuple:
+    """A decode step's arguments (tokens, positions, mask, cache) for ``rows`` rows that each have
+    ``cached`` positions of random float32 keys and values in an append-in-place cache."""
+    import torch
+
+    from agl.kv_cache import cache_from_tensors
+
+    kv_heads, head_dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    shape = (rows, kv_heads, cached, head_dim)
+    cache = cache_from_tensors([(torch.randn(shape), torch.randn(shape)) for _ in range(config.num_hidden_layers)])
+    return torch.randint(0, 1000, (rows,)), torch.full((rows,), cached), torch.ones(rows, cached + 1, dtype=torch.long), cache
+
+
+def drop_appended(cache: Any, cached: int) -> None:
+    """Cut every layer back to ``cached`` positions, so each timed step sees the same cache length."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[..., :cached, :], layer.values[..., :cached, :]

@@ -27,15 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from agl.decode import LlamaDecodeStep
-from agl.kv_cache import cache_from_tensors
 from agl.merged import MergedSampler
-from bench.common import RESULTS, load_model, timed
-
-
-def batch(config, rows: int, cached: int) -> tuple:
-    kv_heads, head_dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
-    cache = cache_from_tensors([(torch.randn(rows, kv_heads, cached, head_dim), torch.randn(rows, kv_heads, cached, head_dim)) for _ in range(config.num_hidden_layers)])
-    return torch.randint(0, 1000, (rows,)), torch.full((rows,), cached), torch.ones(rows, cached + 1, dtype=torch.long), cache
+from bench.common import RESULTS, decode_inputs, drop_appended, load_model, timed
 
 
 def main() -> None:
@@ -53,8 +46,7 @@ def main() -> None:
 
     def run(b: tuple) -> None:
         step(*b)
-        for layer in b[3].layers:  # drop the appended position: every call sees the same cache length
-            layer.keys, layer.values = layer.keys[..., : args.cached, :], layer.values[..., : args.cached, :]
+        drop_appended(b[3], args.cached)
 
     def single_threaded(fn) -> None:
         torch.set_num_threads(1)  # MKL's thread count is process-wide
@@ -66,7 +58,7 @@ def main() -> None:
     levels = []
     with torch.inference_mode():
         for rows in args.rows:
-            whole, halves = batch(config, rows, args.cached), [batch(config, rows // 2, args.cached) for _ in range(2)]
+            whole, halves = decode_inputs(config, rows, args.cached), [decode_inputs(config, rows // 2, args.cached) for _ in range(2)]
             variants = {
                 "one batch": lambda: run(whole),
                 "two halves": lambda: single_threaded(lambda: list(pool.map(run, halves))),

@@ -46,25 +46,20 @@ def child() -> None:
 
     from agl.decode import LlamaDecodeStep
     from agl.engine import Engine
-    from agl.kv_cache import cache_from_tensors
     from agl.merged import MergedSampler
     from agl.server import ModelServer
-    from bench.common import load_model, timed
+    from bench.common import decode_inputs, drop_appended, load_model, timed
     from bench.profile_step import update_step
     from bench.serve import gsm8k_messages, route_run
 
     policy = load_model("smollm2")
-    config = policy.model.config
     rows, cached = 32, 300
-    kv_heads, head_dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
     step = LlamaDecodeStep(MergedSampler(policy.model, policy.compute_dtype))
-    cache = cache_from_tensors([(torch.randn(rows, kv_heads, cached, head_dim), torch.randn(rows, kv_heads, cached, head_dim)) for _ in range(config.num_hidden_layers)])
-    args = (torch.randint(0, 1000, (rows,)), torch.full((rows,), cached), torch.ones(rows, cached + 1, dtype=torch.long), cache)
+    args = decode_inputs(policy.model.config, rows, cached)
 
     def decode() -> None:
         step(*args)
-        for layer in cache.layers:  # drop the appended position: every call sees the same cache length
-            layer.keys, layer.values = layer.keys[..., :cached, :], layer.values[..., :cached, :]
+        drop_appended(args[3], cached)
 
     with torch.inference_mode():
         for _ in range(3):
