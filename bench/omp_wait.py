@@ -1,6 +1,6 @@
 """How OpenMP's idle threads should wait between operators: passive, or spinning for a while.
 
-harness.py used to set ``OMP_WAIT_POLICY=PASSIVE``: torch and bitsandbytes each load their own
+harness.py sets ``OMP_WAIT_POLICY=PASSIVE``: torch and bitsandbytes each load their own
 libgomp, and with libgomp's default wait (spin ~300k iterations, then sleep) their idle threads
 fought over the two cores. Passive threads sleep at once, so every parallel operator pays a
 futex wake-up; a decode step runs ~150 of them (four matmuls and an attention per layer) between
@@ -15,7 +15,7 @@ rounds; medians. Per setting:
   - ``route``: 32 ``AsyncOpenAI`` clients through the HTTP route, 64 GSM8K requests x 64 greedy
     tokens, in tokens/s: the event loop, the clients and the engine thread share the cores.
 
-    PYTHONPATH=. .venv/bin/python bench/omp_wait.py [--rounds 3]   # ~6 min; writes bench/results/omp_wait.{md,json}
+    PYTHONPATH=. .venv/bin/python bench/omp_wait.py [--rounds 3]   # ~4 min a round on the AMX machine; writes bench/results/omp_wait.{md,json}
 """
 from __future__ import annotations
 
