@@ -22,6 +22,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from agl.loggers import log_row
+from agl.memory import peak_rss_mib
 from agl.plots import draw_run_plots
 from agl.types import Checkpoint
 
@@ -120,8 +121,9 @@ def metrics_path(run_dir: Path) -> Path:
 
 
 def append_metrics(run_dir: Path, row: dict) -> None:
-    """One line of metrics.jsonl, the curves redrawn, and the row to the run's loggers (``logger=``)."""
-    row = _plain(row)
+    """One line of metrics.jsonl, the curves redrawn, and the row to the run's loggers (``logger=``).
+    Every row carries the process's peak RSS so far: where it jumps is the phase that set it."""
+    row = {**_plain(row), "peak_rss_mib": round(peak_rss_mib(), 1)}
     with open(metrics_path(run_dir), "a") as f:
         f.write(json.dumps(row) + "\n")
     draw_run_plots(metrics_path(run_dir), run_dir)

@@ -1,7 +1,8 @@
 """The generation engine: continuous batching over one policy, token by token.
 
 Every request becomes one or more sequences (``n``). Sequences live in one batch whose KV
-cache is left-padded to a common length. Each engine step:
+cache is left-padded to a common length, each row a slot of agl.kv_cache's buffers (a finished
+row's slot is refilled, not the cache copied). Each engine step:
 
   1. admits waiting requests (up to ``max_batch_size`` rows and a prefill-token budget):
      their prompts are prefilled together, identical prompts only once (``n > 1`` and a
@@ -40,7 +41,7 @@ from transformers import DynamicCache
 
 from agl.config import EngineConfig
 from agl.decode import decode_step
-from agl.kv_cache import append_in_place_cache, cache_from_tensors
+from agl.kv_cache import add_rows, cache_from_tensors, keep_rows, slot_cache, slot_moves
 from agl.merged import MergedSampler
 from agl.model import Policy
 
@@ -124,7 +125,8 @@ class SequenceStream:
 
 @dataclasses.dataclass
 class _Batch:
-    """The running rows: their sequences and the left-padded KV cache they share."""
+    """The running rows: their sequences and the KV cache they share (row i of every tensor,
+    and the cache's row slot i, belong to ``seqs[i]``), left-padded to a common width."""
 
     seqs: list[SequenceStream]
     cache: DynamicCache
@@ -137,29 +139,35 @@ def _cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor
     return [(layer.keys, layer.values) for layer in cache.layers]
 
 
-def _set_cache_tensors(cache: DynamicCache, tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    for layer, (keys, values) in zip(cache.layers, tensors):
-        layer.keys, layer.values = keys, values
-
-
-def _select_rows(batch: _Batch, rows: list[int], own_cache: bool = False) -> _Batch:
-    """A batch of ``rows`` of ``batch``, minus columns that are padding in all of them. Its cache
-    is ``batch``'s, narrowed (the next append re-buffers it), or with ``own_cache`` a new one."""
-    index = torch.tensor(rows)
+def _keep_rows(batch: _Batch, keep: list[int]) -> _Batch:
+    """``batch`` with only the rows ``keep`` (ascending), minus leading columns that are padding in
+    all of them. The cache is shrunk in place: each kept row past the new end moves into a freed
+    slot before it (one row copied each, not the whole cache), so the rows' order changes."""
+    moves, order = slot_moves(keep)
+    index = torch.tensor(order)
     mask = batch.mask[index]
     first_real = int((mask.sum(0) > 0).nonzero()[0])  # columns padded in every row are dead weight
-    tensors = [(k[index, :, first_real:], v[index, :, first_real:]) for k, v in _cache_tensors(batch.cache)]
-    if own_cache:
-        cache = cache_from_tensors(tensors)
-    else:
-        cache = batch.cache
-        _set_cache_tensors(cache, tensors)
+    with torch.inference_mode():  # the cache's tensors were made in inference mode
+        keep_rows(batch.cache, moves, len(keep), first_real)
     return _Batch(
-        seqs=[batch.seqs[i] for i in rows],
-        cache=cache,
+        seqs=[batch.seqs[i] for i in order],
+        cache=batch.cache,
         mask=mask[:, first_real:],
         positions=batch.positions[index],
         last_tokens=batch.last_tokens[index],
+    )
+
+
+def _own_row(batch: _Batch, row: int) -> _Batch:
+    """Row ``row`` of ``batch`` as a batch of its own, with a copy of its cache."""
+    first_real = int(batch.mask[row].nonzero()[0])
+    tensors = [(k[row : row + 1, :, first_real:], v[row : row + 1, :, first_real:]) for k, v in _cache_tensors(batch.cache)]
+    return _Batch(
+        seqs=[batch.seqs[row]],
+        cache=cache_from_tensors(tensors),
+        mask=batch.mask[row : row + 1, first_real:],
+        positions=batch.positions[row : row + 1],
+        last_tokens=batch.last_tokens[row : row + 1],
     )
 
 
@@ -353,7 +361,7 @@ class Engine:
                 keep.append(i)
         if len(keep) == len(batch.seqs):
             return batch
-        return _select_rows(batch, keep) if keep else None
+        return _keep_rows(batch, keep) if keep else None
 
     # ------------------------------------------------------------------ model work (worker thread)
 
@@ -383,7 +391,7 @@ class Engine:
             for seqs in by_prompt.values():
                 new_rows, logits = self._prefill(seqs)
                 yield seqs, logits, new_rows
-                self._batches += [_select_rows(new_rows, [i], own_cache=True) for i in range(len(seqs))]
+                self._batches += [_own_row(new_rows, i) for i in range(len(seqs))]
         else:
             new_rows, logits = self._prefill(admit)
             yield admit, logits, new_rows
@@ -415,13 +423,13 @@ class Engine:
             ids[row, width - len(prompt):] = torch.tensor(prompt)
             mask[row, width - len(prompt):] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = append_in_place_cache()
+        cache = slot_cache()
         logits = self._forward(ids, mask, positions, cache)
         rows = torch.tensor([unique[tuple(s.prompt_ids)] for s in seqs])
         self.stats["prefill_tokens"] += sum(len(p) for p in prompts)
         self.stats["prefill_shared_tokens"] += sum(len(s.prompt_ids) for s in seqs) - sum(len(p) for p in prompts)
         if len(prompts) != len(seqs) or not torch.equal(rows, torch.arange(len(seqs))):
-            _set_cache_tensors(cache, [(k[rows], v[rows]) for k, v in _cache_tensors(cache)])
+            cache = cache_from_tensors([(k[rows], v[rows]) for k, v in _cache_tensors(cache)])  # a row per sequence
         batch = _Batch(
             seqs=list(seqs),
             cache=cache,
@@ -432,22 +440,15 @@ class Engine:
         return batch, logits[rows]
 
     def _merge(self, new: _Batch) -> None:
-        """Append new rows to the running batch, left-padding whichever cache is shorter."""
+        """Append new rows to the running batch (into its cache's free slots), left-padding
+        whichever side is narrower."""
         if not self._batches:
             self._batches = [new]
             return
         old = self._batches[0]
         t_old, t_new = old.mask.shape[1], new.mask.shape[1]
         width = max(t_old, t_new)
-        merged = []
-        for (ko, vo), (kn, vn) in zip(_cache_tensors(old.cache), _cache_tensors(new.cache)):
-            merged.append(
-                (
-                    torch.cat([_left_pad(ko, width - t_old, 2), _left_pad(kn, width - t_new, 2)]),
-                    torch.cat([_left_pad(vo, width - t_old, 2), _left_pad(vn, width - t_new, 2)]),
-                )
-            )
-        _set_cache_tensors(old.cache, merged)
+        add_rows(old.cache, new.cache, max_rows=self.max_batch_size)
         old.mask = torch.cat([_left_pad(old.mask, width - t_old, 1), _left_pad(new.mask, width - t_new, 1)])
         old.positions = torch.cat([old.positions, new.positions])
         old.last_tokens = torch.cat([old.last_tokens, new.last_tokens])

@@ -14,7 +14,6 @@ import hashlib
 import json
 import logging
 import os
-import resource
 import time
 import traceback
 from pathlib import Path
@@ -28,15 +27,11 @@ from agl.config import with_schema
 from agl.errors import ConfigError
 from agl.launchers import apply_threads
 from agl.loggers import run_loggers
+from agl.memory import peak_rss_mib
 from agl.seeding import seed_everything
 from agl.sweep import read_status, write_status
 
 log = logging.getLogger(__name__)
-
-
-def peak_rss_mib() -> float:
-    """Peak resident set size of this process so far (Linux reports ru_maxrss in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def info(cfg: DictConfig, run_dir: Path) -> dict:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import resource
 
 M_MMAP_THRESHOLD = -3  # mallopt parameters, from glibc's malloc.h
 MMAP_THRESHOLD_BYTES = 1 << 20
@@ -58,6 +59,11 @@ def trim() -> bool:
         return False
     malloc_trim(0)
     return True
+
+
+def peak_rss_mib() -> float:
+    """Peak resident set size of this process so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 @functools.cache

@@ -18,6 +18,7 @@ PANELS = [
     ("length", ["completion_len_mean"]),
     ("clip", ["clip_ratio_low", "clip_ratio_high"]),
     ("time", ["time_rollout_s", "time_update_s", "time_other_s"]),
+    ("peak RSS (MiB)", ["peak_rss_mib"]),
 ]
 
 

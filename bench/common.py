@@ -78,7 +78,7 @@ def matmul_probe(dtype: Any, n: int = 2048, rounds: int = 5, warmup: int = 1) ->
 
 def decode_inputs(config: Any, rows: int, cached: int) -> tuple:
     """A decode step's arguments (tokens, positions, mask, cache) for ``rows`` rows that each have
-    ``cached`` positions of random float32 keys and values in an append-in-place cache."""
+    ``cached`` positions of random float32 keys and values in a slot cache."""
     import torch
 
     from agl.kv_cache import cache_from_tensors
@@ -92,4 +92,4 @@ def decode_inputs(config: Any, rows: int, cached: int) -> tuple:
 def drop_appended(cache: Any, cached: int) -> None:
     """Cut every layer back to ``cached`` positions, so each timed step sees the same cache length."""
     for layer in cache.layers:
-        layer.keys, layer.values = layer.keys[..., :cached, :], layer.values[..., :cached, :]
+        layer.crop(cached - layer.get_seq_length())

@@ -42,7 +42,7 @@ import tempfile
 import time
 from importlib import metadata
 
-from agl.jobs import peak_rss_mib
+from agl.memory import peak_rss_mib
 from bench.common import RESULTS, ROOT, gsm8k_prompts, load_model, matmul_probe, time_method
 
 GFLOP_PER_TOKEN = 0.27  # forward, 2 x 135M parameters; backward counted as 2 x forward

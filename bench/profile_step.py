@@ -38,10 +38,10 @@ BATCH, PROMPT, NEW_TOKENS = 32, 150, 128
 
 def decode_steps(model, steps: int, profile: bool = False) -> float:
     """Median ms of one batch-32 decode step after a 150-token prefill."""
-    from agl.kv_cache import append_in_place_cache
+    from agl.kv_cache import slot_cache
 
     gen = torch.Generator().manual_seed(0)
-    cache = append_in_place_cache()
+    cache = slot_cache()
     mask = torch.ones(BATCH, PROMPT, dtype=torch.long)
 
     def decode_one() -> float:

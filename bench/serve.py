@@ -45,7 +45,7 @@ import openai
 import torch
 
 from agl.engine import Engine
-from agl.jobs import peak_rss_mib
+from agl.memory import peak_rss_mib
 from agl.model import load_policy
 from agl.server import ModelServer
 from bench.common import RESULTS, gsm8k_prompts, matmul_probe, model_config, timed

@@ -7,7 +7,7 @@ from test_merged import optimizer_step
 
 from agl.decode import decode_step
 from agl.engine import Engine, SamplingParams
-from agl.kv_cache import append_in_place_cache
+from agl.kv_cache import slot_cache
 from agl.merged import MergedSampler
 from agl.model import load_policy
 
@@ -20,7 +20,7 @@ def policy(tiny_model_cfg):
 
 
 def prefilled(model, ids, mask):
-    cache = append_in_place_cache()
+    cache = slot_cache()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.inference_mode():
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)

@@ -32,7 +32,7 @@ RUN = [
 # tokens_per_s) and the engine's prefill counter (shared prefills depend on arrival order, and a
 # resumed step reuses finished rollouts).
 def is_cost(name: str) -> bool:
-    return name.startswith("time_") or name.endswith("_s") or name == "prompt_tokens"
+    return name.startswith("time_") or name.endswith(("_s", "_mib")) or name == "prompt_tokens"
 
 
 def harness(*args: str, kill: str = "") -> subprocess.Popen:

@@ -1,0 +1,88 @@
+"""Continuous batching changes when a sequence runs, never what it samples.
+
+Requests arrive at scattered times with scattered lengths into an engine with few slots, so
+rows retire and others take their slots mid-batch (agl.kv_cache's slot moves, the merge's
+left padding). Every sequence must get the tokens and log-probs it gets decoded alone. The
+cache's buffers get no spare room here, so they grow and compact as often as they can.
+"""
+import asyncio
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agl.engine import Engine, SamplingParams
+from agl.kv_cache import SlotLayer
+from agl.model import load_policy
+
+TEXTS = ("Hi", "What is 2 + 2? Think step by step.", "Name a colour", "Write a long sentence about the sea and ships.")
+LONGEST = 24
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_model_cfg):
+    policy = load_policy(tiny_model_cfg, "cpu")
+    policy.model.eval()
+    return policy
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_spare_room():
+    """Buffers exactly as large as needed: every admission and nearly every append regrows one."""
+    saved = SlotLayer.growth, SlotLayer.slack
+    SlotLayer.growth, SlotLayer.slack = 1.0, 0
+    yield
+    SlotLayer.growth, SlotLayer.slack = saved
+
+
+@pytest.fixture(scope="module")
+def alone(policy):
+    """Each prompt's greedy continuation of LONGEST tokens, decoded as a batch of one."""
+    prompts = [policy.render_chat([{"role": "user", "content": text}]) for text in TEXTS]
+
+    async def run():
+        engine = Engine(policy, batch_invariant=True)
+        await engine.start()
+        try:
+            seqs = [engine.submit(p, SamplingParams(max_tokens=LONGEST, temperature=0.0, ignore_eos=True))[0] for p in prompts]
+            await asyncio.gather(*(s.wait() for s in seqs))
+        finally:
+            await engine.stop()
+        return prompts, [(s.token_ids, s.logprobs) for s in seqs]
+
+    return asyncio.run(run())
+
+
+# (prompt, max_tokens, delay in event-loop ticks, n: continuations sharing one prefill)
+requests = st.lists(
+    st.tuples(st.integers(0, len(TEXTS) - 1), st.integers(1, LONGEST), st.integers(0, 6), st.integers(1, 2)), min_size=2, max_size=9
+)
+
+
+@pytest.mark.parametrize("decode", ["fast", "model"])
+@given(schedule=requests, slots=st.integers(1, 3))
+@settings(max_examples=10, deadline=None, derandomize=True)
+def test_scattered_requests_get_what_they_get_alone(policy, alone, decode, schedule, slots):
+    prompts, expected = alone
+
+    async def run():
+        engine = Engine(policy, max_batch_size=slots, batch_wait_s=0, decode=decode)
+        await engine.start()
+
+        async def request(prompt, max_tokens, delay, n):
+            for _ in range(delay):  # let the engine take a few steps first
+                await asyncio.sleep(0.002)
+            seqs = engine.submit(prompts[prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), n=n)
+            return await asyncio.gather(*(s.wait() for s in seqs))
+
+        try:
+            return await asyncio.gather(*(request(*r) for r in schedule))
+        finally:
+            await engine.stop()
+
+    for (prompt, max_tokens, _, _), seqs in zip(schedule, asyncio.run(run())):
+        tokens, logprobs = expected[prompt]
+        for seq in seqs:
+            assert seq.token_ids == tokens[:max_tokens]
+            torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(logprobs[:max_tokens]), atol=1e-4, rtol=0)
