@@ -312,22 +312,23 @@ def phases_child(variant: dict, decode_prompts: int, decode_batch: int) -> dict:
 
 def phases_main(args) -> None:
     """Each variant's phases in a fresh process, variants alternating per round; the first variant is the reference."""
-    runs: dict[str, list[dict]] = {name: [] for name in PHASE_VARIANTS}
+    runs: dict[str, list[dict]] = {name: [] for name in args.variants}
     for _ in range(args.rounds):
-        for name in PHASE_VARIANTS:
+        for name in args.variants:
             command = [sys.executable, __file__, "--phases-child", name, "--prompts", str(args.prompts), "--batch", str(args.batch)]
             out = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True, check=True)
             runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(name, json.dumps({p["phase"]: round(p["peak_mib"]) for p in runs[name][-1]["phases"]}), flush=True)
-    first = next(iter(PHASE_VARIANTS))
+    first = args.variants[0]
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "prompts": args.prompts, "batch": args.batch, "rounds": args.rounds,
-              "variants": PHASE_VARIANTS, "runs": runs}
+              "variants": {name: PHASE_VARIANTS[name] for name in args.variants}, "runs": runs}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "memory_phases.json").write_text(json.dumps(result, indent=2) + "\n")
     last = {name: rs[-1] for name, rs in runs.items()}
     lines = [
         "# Resident memory of the default GRPO job, phase by phase", "",
-        f"{result['date']}. `PYTHONPATH=. .venv/bin/python bench/memory.py --phases --prompts {args.prompts} --batch {args.batch} --rounds {args.rounds}`. "
+        f"{result['date']}. `PYTHONPATH=. .venv/bin/python bench/memory.py --phases --prompts {args.prompts} --batch {args.batch} --rounds {args.rounds} "
+        f"--variants {' '.join(args.variants)}`. "
         "SmolLM2-135M-Instruct (nf4 + LoRA r16), this CPU's compute dtype, mmap threshold pinned as harness.py does. One process per variant "
         "runs the default job's phases in order: load the policy; build the engine's merged sampler weights; an eval-like greedy decode "
         f"({args.prompts} GSM8K test prompts x 256 tokens, eos ignored, engine batch {args.batch}, no HTTP); one SFT warm-up step (SFTConfig's "
@@ -362,6 +363,7 @@ def main() -> None:
     parser.add_argument("--phases", action="store_true", help="the default job's phases, one process per variant (PHASE_VARIANTS)")
     parser.add_argument("--phases-child", metavar="VARIANT")
     parser.add_argument("--batch", type=int, default=64, help="--phases: the engine's batch (engine.max_batch_size)")
+    parser.add_argument("--variants", nargs="+", choices=list(PHASE_VARIANTS), default=list(PHASE_VARIANTS), help="--phases: which variants to run")
     args = parser.parse_args()
     args.prompts = args.prompts or (64 if args.phases or args.phases_child else 128)
     if args.phases_child:
