@@ -47,14 +47,12 @@ def worker(args: argparse.Namespace) -> dict:
     import resource
     import time
 
+    import psutil
     import torch
 
     from agl.engine import Engine, SamplingParams
     from agl.model import load_policy
     from bench.common import gsm8k_prompts, model_config
-
-    def rss_mib() -> float:
-        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
     policy = load_policy(model_config(args.model), "cpu")
     policy.model.eval()
@@ -82,7 +80,7 @@ def worker(args: argparse.Namespace) -> dict:
         finally:
             await engine.stop()
 
-    loaded = rss_mib()
+    loaded = psutil.Process().memory_info().rss / 2**20
     cpu_before = resource.getrusage(resource.RUSAGE_SELF)
     tokens, wall = asyncio.run(run())
     cpu = resource.getrusage(resource.RUSAGE_SELF)

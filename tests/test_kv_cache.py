@@ -15,8 +15,10 @@ from agl.kv_cache import SlotLayer, slot_moves
 HEADS, DIM = 2, 3
 
 
-def left_pad(tensor, width):
-    return torch.cat([tensor.new_zeros((tensor.shape[0], *tensor.shape[1:-2], width, tensor.shape[-1])), tensor], dim=-2)
+def left_pad(tensor, width, dim):
+    shape = list(tensor.shape)
+    shape[dim] = width
+    return torch.cat([tensor.new_zeros(shape), tensor], dim=dim)
 
 
 class Reference:
@@ -35,9 +37,8 @@ class Reference:
     def add(self, keys):
         width = max(self.keys.shape[-2], keys.shape[-2])
         new_mask = torch.ones(keys.shape[0], keys.shape[-2], dtype=torch.bool)
-        self.keys = torch.cat([left_pad(self.keys, width - self.keys.shape[-2]), left_pad(keys, width - keys.shape[-2])])
-        self.mask = torch.cat([left_pad(self.mask[:, None, :, None], width - self.mask.shape[1])[:, 0, :, 0],
-                               left_pad(new_mask[:, None, :, None], width - keys.shape[-2])[:, 0, :, 0]])
+        self.keys = torch.cat([left_pad(self.keys, width - self.keys.shape[-2], -2), left_pad(keys, width - keys.shape[-2], -2)])
+        self.mask = torch.cat([left_pad(self.mask, width - self.mask.shape[1], 1), left_pad(new_mask, width - keys.shape[-2], 1)])
 
 
 operation = st.one_of(
