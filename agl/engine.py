@@ -448,7 +448,7 @@ class Engine:
         old = self._batches[0]
         t_old, t_new = old.mask.shape[1], new.mask.shape[1]
         width = max(t_old, t_new)
-        add_rows(old.cache, new.cache, max_rows=self.max_batch_size)
+        add_rows(old.cache, new.cache)
         old.mask = torch.cat([_left_pad(old.mask, width - t_old, 1), _left_pad(new.mask, width - t_new, 1)])
         old.positions = torch.cat([old.positions, new.positions])
         old.last_tokens = torch.cat([old.last_tokens, new.last_tokens])

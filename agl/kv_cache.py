@@ -11,12 +11,14 @@ the live part, rows ``[:rows]`` and columns ``[start:end]``, as views:
     leading columns no live row uses by moving ``start`` (``keep_rows``);
   - admitting rows writes them into free slots, right-aligned at ``end`` (``add_rows``).
 
-Only when the buffer runs out of rows or columns is the live part copied into a larger one:
-``growth`` x the columns needed plus ``slack``, and twice the row slots (at most the engine's
-batch size). Buffers do not shrink while the batch lives: a busy engine holds about
-``max_batch_size`` x (1.5 x its widest live part + 64) positions. Before this, every retired or admitted row
-cost two or three copies of the whole cache: a third of the engine's time in a GSM8K eval and,
-at 32 rows x 700 positions (~1 GB of cache for SmolLM2-135M), transient copies of a gigabyte.
+Only when the buffer runs out of rows or columns is the live part copied into a new one, layer
+by layer (so the transient is one layer's): exactly the row slots needed, and the columns needed
+plus ``slack``. Appending then compacts the live part to column 0 every ``slack`` tokens, a copy
+of the cache per 64 decode steps. Headroom is what costs memory, not copies: with twice the row
+slots and 1.5x the columns, a 32-client GSM8K eval held 0.7-1.5 GB of buffers (SmolLM2-135M, a
+float32 cache: 46 KB per position) where it now holds 0.4-0.65 GB; bench/engine_ab.py against
+cb44786: peak RSS 2,393 -> 2,100 MiB at 0.98x the tokens/s, the same tokens. Before slots, every retired or admitted row cost two or three copies
+of the whole cache: a third of the engine's time in a GSM8K eval.
 
 Positions outside a row's real tokens hold zeros or an earlier row's keys and values; the
 engine's attention mask hides them. Buffers start zeroed so that no hidden position is NaN (a
@@ -30,8 +32,7 @@ from transformers.cache_utils import DynamicLayer
 
 
 class SlotLayer(DynamicLayer):
-    growth = 1.5
-    slack = 64
+    slack = 64  # spare columns in a new buffer
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
@@ -52,7 +53,7 @@ class SlotLayer(DynamicLayer):
             raise ValueError(f"{key_states.shape[0]} rows appended to a cache of {self.rows}")
         added = key_states.shape[-2]
         if self.end + added > self.buffers[0].shape[-2]:  # out of columns: compact to column 0 with room
-            self._rebuffer(self.buffers[0].shape[0], self._columns_for(self.end - self.start + added), offset=0)
+            self._rebuffer(self.buffers[0].shape[0], self.end - self.start + added + self.slack, offset=0)
         for buffer, states in zip(self.buffers, (key_states, value_states)):
             buffer[: self.rows, :, self.end : self.end + added] = states
         self.end += added
@@ -86,19 +87,17 @@ class SlotLayer(DynamicLayer):
         self.rows = rows
         self._publish()
 
-    def add_rows(self, keys: torch.Tensor, values: torch.Tensor, max_rows: int) -> None:
+    def add_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Admit ``keys``/``values`` [n, kv_heads, T, head_dim] as new rows after the live ones,
         their last column aligned with the live part's last; the live columns widen to T if
-        that is more. Grows the buffer if it must (row slots doubling, at most ``max_rows``
-        unless more are needed)."""
+        that is more. Grows the buffer if it must, to exactly the rows now live."""
         self._adopt_replaced()
         added, columns = keys.shape[0], keys.shape[-2]
         width = max(self.end - self.start, columns)
         slots, capacity = self.buffers[0].shape[0], self.buffers[0].shape[-2]
         if self.rows + added > slots or self.end < width:
-            slots = max(self.rows + added, min(max_rows, 2 * slots)) if self.rows + added > slots else slots
             offset = width - (self.end - self.start)  # room on the left for the new rows' longer prompts
-            self._rebuffer(slots, max(capacity, self._columns_for(width)), offset)
+            self._rebuffer(max(slots, self.rows + added), max(capacity, width + self.slack), offset)
         for buffer, states in zip(self.buffers, (keys, values)):
             buffer[self.rows : self.rows + added, :, self.end - columns : self.end] = states
         self.rows += added
@@ -106,13 +105,10 @@ class SlotLayer(DynamicLayer):
         self._publish()
 
     # -- storage
-    def _columns_for(self, width: int) -> int:
-        return int(width * self.growth) + self.slack
-
     def _load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Take ``keys``/``values`` [rows, kv_heads, T, head_dim] as the whole live part (a copy)."""
         rows, columns = keys.shape[0], keys.shape[-2]
-        shape = (rows, keys.shape[1], self._columns_for(columns), keys.shape[-1])
+        shape = (rows, keys.shape[1], columns + self.slack, keys.shape[-1])
         self.buffers = (keys.new_zeros(shape), values.new_zeros(shape[:-1] + values.shape[-1:]))
         self.buffers[0][:, :, :columns] = keys
         self.buffers[1][:, :, :columns] = values
@@ -180,7 +176,7 @@ def keep_rows(cache: DynamicCache, moves: list[tuple[int, int]], rows: int, drop
         layer.keep_rows(moves, rows, drop_columns)
 
 
-def add_rows(cache: DynamicCache, new: DynamicCache, max_rows: int) -> None:
+def add_rows(cache: DynamicCache, new: DynamicCache) -> None:
     """``SlotLayer.add_rows`` on every layer, with ``new``'s layers as the rows to admit."""
     for layer, rows in zip(cache.layers, new.layers):
-        layer.add_rows(rows.keys, rows.values, max_rows)
+        layer.add_rows(rows.keys, rows.values)

@@ -30,10 +30,10 @@ def policy(tiny_model_cfg):
 @pytest.fixture(scope="module", autouse=True)
 def no_spare_room():
     """Buffers exactly as large as needed: every admission and nearly every append regrows one."""
-    saved = SlotLayer.growth, SlotLayer.slack
-    SlotLayer.growth, SlotLayer.slack = 1.0, 0
+    saved = SlotLayer.slack
+    SlotLayer.slack = 0
     yield
-    SlotLayer.growth, SlotLayer.slack = saved
+    SlotLayer.slack = saved
 
 
 @pytest.fixture(scope="module")

@@ -76,7 +76,7 @@ def test_real_positions_match_the_concatenating_reference(rows, columns, operati
             reference.keep(order, drop)
         elif op == "add":
             new = states(*arg)
-            layer.add_rows(new, new + 1, max_rows=8)
+            layer.add_rows(new, new + 1)
             reference.add(new)
         elif op == "select":
             index = torch.tensor(arg.sample(range(rows), rows))
@@ -110,7 +110,7 @@ def test_retiring_and_admitting_rows_reuses_the_buffer():
         layer.update(torch.randn(4, 1, 30, 4), torch.randn(4, 1, 30, 4))
         buffer = layer.buffers[0].data_ptr()
         layer.keep_rows([(3, 1)], rows=3)
-        layer.add_rows(torch.randn(1, 1, 20, 4), torch.randn(1, 1, 20, 4), max_rows=4)
+        layer.add_rows(torch.randn(1, 1, 20, 4), torch.randn(1, 1, 20, 4))
         layer.update(torch.randn(4, 1, 1, 4), torch.randn(4, 1, 1, 4))
         assert layer.buffers[0].data_ptr() == buffer and layer.keys.shape == (4, 1, 31, 4)
 
@@ -128,3 +128,12 @@ def test_appending_a_wrong_number_of_rows_is_an_error():
     layer.update(torch.randn(2, 1, 3, 4), torch.randn(2, 1, 3, 4))
     with pytest.raises(ValueError, match="3 rows appended to a cache of 2"):
         layer.update(torch.randn(3, 1, 1, 4), torch.randn(3, 1, 1, 4))
+
+
+def test_a_grown_buffer_has_only_the_rows_live_and_slack_columns():
+    """Headroom is what costs memory: a buffer regrown for one more row holds that row, not twice the slots."""
+    layer = SlotLayer()
+    layer.update(torch.randn(4, 1, 30, 4), torch.randn(4, 1, 30, 4))
+    assert layer.buffers[0].shape == (4, 1, 30 + SlotLayer.slack, 4)
+    layer.add_rows(torch.randn(1, 1, 40, 4), torch.randn(1, 1, 40, 4))
+    assert layer.buffers[0].shape == (5, 1, 40 + SlotLayer.slack, 4) and layer.keys.shape == (5, 1, 40, 4)
