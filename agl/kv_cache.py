@@ -17,8 +17,9 @@ plus ``slack``. Appending then compacts the live part to column 0 every ``slack`
 of the cache per 64 decode steps. Headroom is what costs memory, not copies: with twice the row
 slots and 1.5x the columns, a 32-client GSM8K eval held 0.7-1.5 GB of buffers (SmolLM2-135M, a
 float32 cache: 46 KB per position) where it now holds 0.4-0.65 GB; bench/engine_ab.py against
-cb44786: peak RSS 2,393 -> 2,100 MiB at 0.98x the tokens/s, the same tokens. Before slots, every retired or admitted row cost two or three copies
-of the whole cache: a third of the engine's time in a GSM8K eval.
+cb44786: peak RSS 2,393 -> 2,100 MiB at 0.98x the tokens/s, the same tokens. Before slots, every
+retired or admitted row cost two or three copies of the whole cache: a third of the engine's
+time in a GSM8K eval.
 
 Positions outside a row's real tokens hold zeros or an earlier row's keys and values; the
 engine's attention mask hides them. Buffers start zeroed so that no hidden position is NaN (a
@@ -53,7 +54,7 @@ class SlotLayer(DynamicLayer):
             raise ValueError(f"{key_states.shape[0]} rows appended to a cache of {self.rows}")
         added = key_states.shape[-2]
         if self.end + added > self.buffers[0].shape[-2]:  # out of columns: compact to column 0 with room
-            self._rebuffer(self.buffers[0].shape[0], self.end - self.start + added + self.slack, offset=0)
+            self._rebuffer(self.buffers[0].shape[0], self._columns_for(self.end - self.start + added), offset=0)
         for buffer, states in zip(self.buffers, (key_states, value_states)):
             buffer[: self.rows, :, self.end : self.end + added] = states
         self.end += added
@@ -97,7 +98,7 @@ class SlotLayer(DynamicLayer):
         slots, capacity = self.buffers[0].shape[0], self.buffers[0].shape[-2]
         if self.rows + added > slots or self.end < width:
             offset = width - (self.end - self.start)  # room on the left for the new rows' longer prompts
-            self._rebuffer(max(slots, self.rows + added), max(capacity, width + self.slack), offset)
+            self._rebuffer(max(slots, self.rows + added), max(capacity, self._columns_for(width)), offset)
         for buffer, states in zip(self.buffers, (keys, values)):
             buffer[self.rows : self.rows + added, :, self.end - columns : self.end] = states
         self.rows += added
@@ -105,10 +106,14 @@ class SlotLayer(DynamicLayer):
         self._publish()
 
     # -- storage
+    def _columns_for(self, width: int) -> int:
+        """The columns of a new buffer for a live part ``width`` wide."""
+        return width + self.slack
+
     def _load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Take ``keys``/``values`` [rows, kv_heads, T, head_dim] as the whole live part (a copy)."""
         rows, columns = keys.shape[0], keys.shape[-2]
-        shape = (rows, keys.shape[1], columns + self.slack, keys.shape[-1])
+        shape = (rows, keys.shape[1], self._columns_for(columns), keys.shape[-1])
         self.buffers = (keys.new_zeros(shape), values.new_zeros(shape[:-1] + values.shape[-1:]))
         self.buffers[0][:, :, :columns] = keys
         self.buffers[1][:, :, :columns] = values

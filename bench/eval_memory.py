@@ -39,6 +39,7 @@ import shutil
 import tempfile
 import time
 
+from agl.memory import _libc_function, release_freed_memory  # the cached libc lookup agl's mallopt and malloc_trim use
 from bench.common import RESULTS, ROOT
 
 M_ARENA_MAX = -8  # mallopt parameter, from glibc's malloc.h
@@ -52,9 +53,9 @@ class MallInfo2(ctypes.Structure):
 
 def heap() -> dict[str, int]:
     """glibc's heap in MiB: held by its arenas, in use there, and in mmapped blocks of their own."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = MallInfo2
-    info = libc.mallinfo2()
+    mallinfo2 = _libc_function("mallinfo2")
+    mallinfo2.restype = MallInfo2
+    info = mallinfo2()
     return {"arenas_mib": info.arena >> 20, "heap_in_use_mib": info.uordblks >> 20, "mmapped_mib": info.hblkhd >> 20}
 
 
@@ -86,8 +87,13 @@ async def measure(problems: int, interval: float) -> dict:
 
     cfg = compose_checked(str(ROOT / "conf"), ["task=gsm8k", "algo=eval", "progress=false"])
     process = psutil.Process()
-    full_collections = [0]
-    gc.callbacks.append(lambda phase, info: full_collections.__setitem__(0, full_collections[0] + (phase == "stop" and info["generation"] == 2)))
+    full_collections = 0
+
+    def count_full_collections(phase: str, info: dict) -> None:
+        nonlocal full_collections
+        full_collections += phase == "stop" and info["generation"] == 2
+
+    gc.callbacks.append(count_full_collections)
     run_dir = tempfile.mkdtemp(prefix="agl-eval-memory-")
     samples: list[dict] = []
     try:
@@ -98,7 +104,7 @@ async def measure(problems: int, interval: float) -> dict:
             def sample() -> dict:
                 return {"s": round(time.perf_counter() - started, 1), "rss_mib": process.memory_info().rss >> 20, "file_backed_mib": file_backed_mib(),
                         "kv_buffers_mib": kv_buffer_bytes(rt.engine) >> 20, "rows": rt.engine.num_running, **heap(),
-                        "full_gcs": full_collections[0]}
+                        "full_gcs": full_collections}
 
             async def monitor() -> None:
                 while True:
@@ -111,8 +117,8 @@ async def measure(problems: int, interval: float) -> dict:
                 sampling={"temperature": 0.0, "max_tokens": cfg.task.max_tokens}, tag={"eval_step": 0},
             )
             watcher.cancel()
-            samples.append(sample())
             at_end = sample()
+            samples.append(at_end)
             gc.collect()
             trim()
             collected = sample()
@@ -153,14 +159,12 @@ def main() -> None:
     parser.add_argument("--interval", type=float, default=5.0)
     parser.add_argument("--arena-max", type=int, default=0, help="glibc's M_ARENA_MAX (malloc arenas for all threads); 0: glibc's default, 8 per core")
     args = parser.parse_args()
-    from agl.memory import release_freed_memory
-
     release_freed_memory()  # as harness.py, before torch allocates
     if args.arena_max:
-        assert ctypes.CDLL("libc.so.6").mallopt(M_ARENA_MAX, args.arena_max) == 1
+        assert _libc_function("mallopt")(M_ARENA_MAX, args.arena_max) == 1
     result = asyncio.run(measure(args.problems, args.interval))
     result["date"] = datetime.datetime.now().isoformat(timespec="seconds")
-    command = f"PYTHONPATH=. .venv/bin/python bench/eval_memory.py --problems {args.problems}" + (f" --arena-max {args.arena_max}" if args.arena_max else "")
+    command = f"PYTHONPATH=. .venv/bin/python bench/eval_memory.py --problems {args.problems}" + (f" --arena-max {args.arena_max}" if args.arena_max else "") + (f" --interval {args.interval:g}" if args.interval != 5.0 else "")
     result["arena_max"] = args.arena_max
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = "eval_memory" + (f"_arena_max_{args.arena_max}" if args.arena_max else "")
