@@ -396,6 +396,7 @@ def _load_policy(cfg: Any, device: str) -> Policy:
         device_map={"": str(torch_device)},
     )
     base.config.use_cache = True
+    own_checkpoint_tensors(base)
     for p in base.parameters():  # only the adapter learns
         p.requires_grad_(False)
     keep_4bit_matmul_differentiable(base)
@@ -541,6 +542,21 @@ def check_vocabulary_tie(model: Any, lora: Any) -> None:
             f"model.lora.train_embeddings/train_head on a model with tied embeddings needs peft's "
             f"ensure_weight_tying for target_modules, which peft {peft.__version__} does not do; upgrade peft"
         )
+
+
+def own_checkpoint_tensors(model: torch.nn.Module) -> None:
+    """Copy the tensors that still point into the mmapped checkpoint into memory of their own.
+
+    ``from_pretrained`` maps safetensors files, and a weight it keeps in the file's dtype (the fp32
+    embeddings and norms next to 4-bit layers) stays a view of the mapping, so the whole file's
+    touched pages stay resident for the model's life. Safetensors hands such views out with
+    non-resizable storages; torch's own allocations are resizable. Measured on SmolLM2-135M
+    (4-bit): 62 tensors, RSS 1,252 -> 898 MiB after loading, file-backed 506 -> 101 MiB.
+    """
+    tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}  # a tied weight once
+    for tensor in tensors.values():
+        if tensor.device.type == "cpu" and not tensor.untyped_storage().resizable():
+            tensor.data = tensor.data.clone()
 
 
 def train_in_fp32(model: Any) -> None:

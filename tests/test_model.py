@@ -457,6 +457,27 @@ def test_lora_wraps_4bit_base_layers(policy):
     assert not isinstance(policy.model.get_output_embeddings(), (LoraLayer, bnb.nn.Linear4bit))
 
 
+def mapped_checkpoints() -> list[tuple[int, int]]:
+    """Address ranges of the safetensors files this process has mapped."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith(".safetensors"):
+            start, end = line.split()[0].split("-")
+            ranges.append((int(start, 16), int(end, 16)))
+    return ranges
+
+
+def test_the_loaded_policy_keeps_nothing_of_the_mapped_checkpoint(policy):
+    """The fp32 embeddings and norms are copied out of the mmapped safetensors file, so the file
+    is unmapped and its pages stop counting in the process's resident memory."""
+    tensors = [*policy.model.parameters(), *policy.model.buffers()]
+    assert policy.model.get_input_embeddings().weight.dtype == torch.float32
+    mapped = mapped_checkpoints()
+    assert not [t.shape for t in tensors if any(start <= t.data_ptr() < end for start, end in mapped)]
+    assert all(t.untyped_storage().resizable() for t in tensors)
+    assert policy.model.get_input_embeddings().weight is policy.model.get_output_embeddings().weight
+
+
 @pytest.mark.slow
 def test_only_lora_parameters_are_trainable(policy):
     named = dict(policy.model.named_parameters())
