@@ -42,6 +42,7 @@ class RunnerConfig:
     unresponsive_seconds: int = 300
     max_attempts: int = 2
     retry_condition: list[str] = field(default_factory=lambda: ["failed", "timeout", "unresponsive"])
+    collect_every: int = 32  # finished rollouts between full garbage collections + malloc_trim (agl.memory.collect); 0: never
 
 
 @dataclasses.dataclass

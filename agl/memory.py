@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import gc
 import resource
 
 M_MMAP_THRESHOLD = -3  # mallopt parameters, from glibc's malloc.h
@@ -59,6 +60,18 @@ def trim() -> bool:
         return False
     malloc_trim(0)
     return True
+
+
+def collect() -> None:
+    """A full garbage collection, then ``trim``: ~0.2 s with SmolLM2 loaded (~600k objects).
+
+    Agents leave reference cycles (an ``openai.OpenAI`` client made per rollout sits in one with
+    its SSL context, ~0.65 MiB of OpenSSL heap), and with that many long-lived objects Python's
+    own full collections are rare: one in 160 rollouts of a GSM8K eval. The runtime calls this
+    every ``runner.collect_every`` finished rollouts.
+    """
+    gc.collect()
+    trim()
 
 
 def peak_rss_mib() -> float:

@@ -26,6 +26,7 @@ from agl.attach import RUNNERS_KEY, runner_entry, runner_pool
 from agl.config import client_api_key
 from agl.engine import Engine
 from agl.errors import ConfigError
+from agl.memory import collect
 from agl.model import Policy, load_policy
 from agl.runner import RunnerPool
 from agl.runner_processes import RunnerProcesses
@@ -58,6 +59,7 @@ class Runtime:
         self.processes: RunnerProcesses | None = None
         self._published = False
         self._failure: Exception | None = None  # set by a part that fails the job from outside its task
+        self._finished_uncollected = 0  # rollouts finished since the last agl.memory.collect
 
     @property
     def policy(self) -> Policy:
@@ -163,8 +165,17 @@ class Runtime:
                 finished = await self.store.wait_for_rollouts([i for i in ids if i not in done], timeout=1.0)
                 for rollout in finished:
                     done[rollout.rollout_id] = rollout
-                bar.update(len(done) - bar.n)
+                self._collect_after(len(finished))
+                bar.update(len(finished))
         return [done[i] for i in ids]
+
+    def _collect_after(self, finished: int) -> None:
+        """Collect the agents' garbage every ``runner.collect_every`` finished rollouts (agl.memory.collect)."""
+        every = self.cfg.runner.collect_every
+        self._finished_uncollected += finished
+        if every > 0 and self._finished_uncollected >= every:
+            self._finished_uncollected = 0
+            collect()
 
     async def resources_id(self, resources: dict) -> str:
         """Reuse the latest resources if they are the same, else add them as a new version."""

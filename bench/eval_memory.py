@@ -19,8 +19,10 @@ on the event loop samples, every ``--interval`` s:
 At the end it collects garbage and trims the heaps, then reports the heap still in use per
 rollout: memory that stays with the process as an eval goes on, the part of the default job's
 peak that grows with its ~3,000 rollouts rather than with any one phase. ``--arena-max N`` caps
-glibc's malloc arenas (each thread that allocates gets one, up to 8 per core). Writes
-bench/results/eval_memory.{md,json} (eval_memory_arena_max_N.* with the cap). ~4 min for 160
+glibc's malloc arenas (each thread that allocates gets one, up to 8 per core);
+``--collect-every N`` sets ``runner.collect_every`` (0: only Python's own full collections).
+Writes bench/results/eval_memory.{md,json} (eval_memory_arena_max_N.* or
+eval_memory_collect_every_N.* with those options). ~4 min for 160
 problems on the AMX machine.
 """
 from __future__ import annotations
@@ -77,7 +79,7 @@ def kv_buffer_bytes(engine) -> int:
     )
 
 
-async def measure(problems: int, interval: float) -> dict:
+async def measure(problems: int, interval: float, overrides: list[str]) -> dict:
     import psutil
 
     from agl.config import compose_checked
@@ -85,7 +87,7 @@ async def measure(problems: int, interval: float) -> dict:
     from agl.memory import peak_rss_mib, trim
     from agl.runtime import Runtime
 
-    cfg = compose_checked(str(ROOT / "conf"), ["task=gsm8k", "algo=eval", "progress=false"])
+    cfg = compose_checked(str(ROOT / "conf"), ["task=gsm8k", "algo=eval", "progress=false", *overrides])
     process = psutil.Process()
     full_collections = 0
 
@@ -157,17 +159,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--problems", type=int, default=160)
     parser.add_argument("--interval", type=float, default=5.0)
+    parser.add_argument("--collect-every", type=int, default=None, help="runner.collect_every (finished rollouts between full GCs + malloc_trim); default: the config's")
     parser.add_argument("--arena-max", type=int, default=0, help="glibc's M_ARENA_MAX (malloc arenas for all threads); 0: glibc's default, 8 per core")
     args = parser.parse_args()
     release_freed_memory()  # as harness.py, before torch allocates
     if args.arena_max:
         assert _libc_function("mallopt")(M_ARENA_MAX, args.arena_max) == 1
-    result = asyncio.run(measure(args.problems, args.interval))
+    overrides = [] if args.collect_every is None else [f"runner.collect_every={args.collect_every}"]
+    result = asyncio.run(measure(args.problems, args.interval, overrides))
     result["date"] = datetime.datetime.now().isoformat(timespec="seconds")
-    command = f"PYTHONPATH=. .venv/bin/python bench/eval_memory.py --problems {args.problems}" + (f" --arena-max {args.arena_max}" if args.arena_max else "") + (f" --interval {args.interval:g}" if args.interval != 5.0 else "")
-    result["arena_max"] = args.arena_max
+    command = f"PYTHONPATH=. .venv/bin/python bench/eval_memory.py --problems {args.problems}" + (f" --arena-max {args.arena_max}" if args.arena_max else "") + (f" --interval {args.interval:g}" if args.interval != 5.0 else "") + (f" --collect-every {args.collect_every}" if args.collect_every is not None else "")
+    result["arena_max"], result["collect_every"] = args.arena_max, args.collect_every
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = "eval_memory" + (f"_arena_max_{args.arena_max}" if args.arena_max else "")
+    name = "eval_memory" + (f"_arena_max_{args.arena_max}" if args.arena_max else "") + (f"_collect_every_{args.collect_every}" if args.collect_every is not None else "")
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     text = markdown(result, command)
     (RESULTS / f"{name}.md").write_text(text)

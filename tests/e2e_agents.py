@@ -4,6 +4,7 @@ The tiny model's text is noise, so these rewards measure something noise varies 
 many vowels a reply has), which gives every GRPO group a spread of rewards to learn from.
 """
 import time
+import weakref
 
 import openai
 
@@ -32,6 +33,19 @@ async def blocking_async_agent(task: dict, llm: agl.LLM, prompt_template: str, *
     """Two mistakes people make in async agents: a sync client and time.sleep. Each blocks the loop."""
     time.sleep(1.2)
     client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, timeout=60, max_retries=0)
+    reply = client.chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": prompt_template.format(question=task["question"])}], **llm.sampling_parameters
+    )
+    return vowel_rate(reply.choices[0].message.content or "")
+
+
+CLIENTS: list[weakref.ref] = []  # every client_per_rollout_agent's client, to see when it is freed
+
+
+def client_per_rollout_agent(task: dict, llm: agl.LLM, prompt_template: str, **_: object) -> float:
+    """A client made per rollout, as deployed code does: it is left in a reference cycle."""
+    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key)
+    CLIENTS.append(weakref.ref(client))
     reply = client.chat.completions.create(
         model=llm.model, messages=[{"role": "user", "content": prompt_template.format(question=task["question"])}], **llm.sampling_parameters
     )

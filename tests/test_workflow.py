@@ -265,6 +265,33 @@ def test_readme_custom_task_runs_through_task_custom(tmp_path):
     assert json.loads((run_dir / "status.json").read_text())["status"] == "succeeded"
 
 
+@pytest.mark.parametrize("collect_every", [0, 1])
+async def test_the_agents_cyclic_garbage_is_collected_every_few_rollouts(tmp_path, collect_every):
+    """An openai client made per rollout sits in a reference cycle (with its SSL context, ~0.65 MiB)
+    until a full collection, which Python runs rarely with a model loaded; the runtime runs one
+    every ``runner.collect_every`` finished rollouts. Automatic collection is off here, so only
+    the runtime's can free them (0: none, the control that the cycle is real)."""
+    import gc
+
+    import e2e_agents
+
+    cfg = compose_cfg(TINY + ["task=hello", "task.agent=e2e_agents:client_per_rollout_agent", "task.data=e2e_agents:load",
+                              "runner.n=2", f"runner.collect_every={collect_every}"])
+    e2e_agents.CLIENTS.clear()
+    gc.collect()
+    gc.disable()
+    try:
+        async with Runtime(cfg, tmp_path) as rt:
+            rows = rt.task.load("test")[:4]
+            resources_id = await rt.resources_id(rt.task.resources_for(cfg.task.prompt))
+            rollouts = await rt.run_rollouts(rows, [{"task_id": r["id"]} for r in rows], mode="val", resources_id=resources_id)
+            alive = [ref for ref in e2e_agents.CLIENTS if ref() is not None]
+    finally:
+        gc.enable()
+    assert [r.status for r in rollouts] == ["succeeded"] * 4 and len(e2e_agents.CLIENTS) == 4
+    assert len(alive) == (4 if collect_every == 0 else 0)
+
+
 async def test_an_async_agent_that_blocks_slows_only_itself(tmp_path, caplog):
     """A sync openai client inside an async agent used to freeze the route (same event loop):
     the agent's own request could not be answered and timed out. Now it runs, with a warning."""
