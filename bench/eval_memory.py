@@ -84,7 +84,7 @@ async def measure(problems: int, interval: float, overrides: list[str]) -> dict:
 
     from agl.config import compose_checked
     from agl.evaluate import evaluate_rows
-    from agl.memory import peak_rss_mib, trim
+    from agl.memory import collect, peak_rss_mib
     from agl.runtime import Runtime
 
     cfg = compose_checked(str(ROOT / "conf"), ["task=gsm8k", "algo=eval", "progress=false", *overrides])
@@ -121,8 +121,7 @@ async def measure(problems: int, interval: float, overrides: list[str]) -> dict:
             watcher.cancel()
             at_end = sample()
             samples.append(at_end)
-            gc.collect()
-            trim()
+            collect()  # a full garbage collection, then malloc_trim
             collected = sample()
             completion_tokens = sum(s.get("completion_tokens", 0) for s in scores)
     finally:
