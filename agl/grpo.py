@@ -24,7 +24,7 @@ from agl.checkpointing import checkpointed_layers
 from agl.config import GRPOConfig  # noqa: F401 (the typed algo=grpo config lives with the others; its home is agl/config.py)
 from agl.logprobs import token_logprobs
 from agl.loss import group_advantages, policy_loss, token_weights
-from agl.memory import trim
+from agl.memory import update_memory
 from agl.model import Policy
 
 
@@ -357,6 +357,10 @@ class GRPOUpdate:
         self.optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
     def step(self, samples: Sequence[Sample], advs: Sequence[float]) -> dict[str, float]:
+        with update_memory():  # small blocks mapped, heaps trimmed after (agl/memory.py)
+            return self._step(samples, advs)
+
+    def _step(self, samples: Sequence[Sample], advs: Sequence[float]) -> dict[str, float]:
         cfg = self.config
         policy = self.policy
         pad_id = policy.tokenizer.pad_token_id if policy.tokenizer.pad_token_id is not None else policy.eos_token_ids[0]
@@ -447,7 +451,6 @@ class GRPOUpdate:
                 self.optimizer.step()
                 timings["optimizer_s"] += time.perf_counter() - start
         policy.model.eval()
-        trim()  # the update's graph was many small blocks: give their pages back before sampling resumes (agl/memory.py)
 
         n_tokens = max(sums["tokens"], 1.0)
         metrics = {

@@ -17,12 +17,15 @@ time 9 s -> 46 s of that run). The default job's evals at 64 rows peaked at 15 G
 the default is the memory-safe setting; ``MALLOC_MMAP_THRESHOLD_`` (glibc's own variable, in
 bytes) overrides it, e.g. 33554432 for speed on a machine with memory to spare.
 
-``trim`` (glibc's malloc_trim) gives back the free pages left inside heaps; the trainers call it
-after each update. Left out: other allocators (jemalloc, tcmalloc) need LD_PRELOAD before the
+``trim`` (glibc's malloc_trim) gives back the free pages left inside heaps. Updates go further
+(``update_memory``): an update's many small, short-lived blocks of ever-changing sizes leave
+its heaps mostly free at its peak, so for the update the threshold drops to 256 KiB, and the
+heaps are trimmed after it. Left out: other allocators (jemalloc, tcmalloc) need LD_PRELOAD before the
 process starts; non-glibc platforms (macOS, musl) keep their own behaviour: both are no-ops there.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import functools
@@ -31,6 +34,8 @@ import resource
 
 M_MMAP_THRESHOLD = -3  # mallopt parameters, from glibc's malloc.h
 MMAP_THRESHOLD_BYTES = 1 << 20
+UPDATE_MMAP_THRESHOLD_BYTES = 256 << 10  # during an update (update_memory)
+_pinned: int | None = None  # the threshold release_freed_memory set, if it did
 
 
 def release_freed_memory(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
@@ -41,8 +46,36 @@ def release_freed_memory(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
     """
     import os
 
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ:
+    global _pinned
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or not _set_threshold(threshold):
         return False
+    _pinned = threshold
+    return True
+
+
+@contextlib.contextmanager
+def update_memory():
+    """Around a policy update: the mmap threshold at ``UPDATE_MMAP_THRESHOLD_BYTES``, then back, then ``trim``.
+
+    An update allocates many blocks between 256 KiB and 1 MiB (a short micro-batch's activations,
+    a layer's 4-bit weights dequantized, the shared prompt's keys and values) whose sizes change
+    with every micro-batch. From a heap they fragment it: at one GRPO update's peak the heaps held
+    0.5-0.9 GB free against 0.4 GB in use. Mapped, each is unmapped when freed. Measured on
+    SmolLM2, one default GRPO update of 32 samples (~4,800 tokens), twice, in one process per
+    setting: peak RSS 1,623 / 1,706 MiB -> 1,272 / 1,423 MiB, at 65-71 s -> 81 s per update (the
+    kernel zeroes every fresh page: system time). Only where ``release_freed_memory`` pinned the
+    threshold (not under the user's ``MALLOC_MMAP_THRESHOLD_``); the engine is paused meanwhile.
+    """
+    lowered = _pinned is not None and _set_threshold(UPDATE_MMAP_THRESHOLD_BYTES)
+    try:
+        yield
+    finally:
+        if lowered:
+            _set_threshold(_pinned)
+        trim()  # the update's graph was many small blocks: give their pages back before sampling resumes
+
+
+def _set_threshold(threshold: int) -> bool:
     mallopt = _libc_function("mallopt")
     return bool(mallopt and mallopt(M_MMAP_THRESHOLD, threshold) == 1)
 

@@ -31,7 +31,7 @@ from agl.checkpoint import TaskCursor, append_metrics, log_baseline, metrics_pat
 from agl.config import SFTConfig, typed
 from agl.errors import ConfigError
 from agl.evaluate import eval_during_training
-from agl.memory import trim
+from agl.memory import update_memory
 from agl.runtime import Runtime
 
 
@@ -176,15 +176,15 @@ class SFTStage:
         examples = [self.example(i) for i in self.cursor.take(sft_cfg.batch_size)]
 
         def update() -> dict:
-            rt.policy.model.train()
-            self.optimizer.zero_grad(set_to_none=True)
-            stats = sft_loss_and_backward(
-                rt.policy, examples, sft_cfg.micro_batch_size, sft_cfg.micro_batch_tokens, sft_cfg.gradient_checkpointing,
-            )
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(rt.policy.trainable_parameters(), sft_cfg.max_grad_norm))
-            self.optimizer.step()
-            rt.policy.model.eval()
-            trim()  # the update's graph was many small blocks: give their pages back before sampling resumes (agl/memory.py)
+            with update_memory():  # small blocks mapped, heaps trimmed after (agl/memory.py)
+                rt.policy.model.train()
+                self.optimizer.zero_grad(set_to_none=True)
+                stats = sft_loss_and_backward(
+                    rt.policy, examples, sft_cfg.micro_batch_size, sft_cfg.micro_batch_tokens, sft_cfg.gradient_checkpointing,
+                )
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(rt.policy.trainable_parameters(), sft_cfg.max_grad_norm))
+                self.optimizer.step()
+                rt.policy.model.eval()
             return {**stats, "grad_norm": grad_norm}
 
         async with rt.engine.paused():  # no forward pass may run while weights change

@@ -78,8 +78,11 @@ def child(prompts: int) -> dict:
 
 PHASE_VARIANTS: dict[str, dict] = {
     # name -> {"grpo": GRPOConfig overrides, "sft": SFTConfig overrides, "trim": malloc_trim(0) after each phase (as the
-    # trainers now do after an update), "head_chunk_bytes": agl.logprobs.CHUNK_BYTES (1 << 62: the whole [N, V] at once, as before)}
-    "before": {"grpo": {"gradient_checkpointing": False}, "sft": {"gradient_checkpointing": False}, "trim": False, "head_chunk_bytes": 1 << 62},
+    # trainers now do after an update), "head_chunk_bytes": agl.logprobs.CHUNK_BYTES (1 << 62: the whole [N, V] at once, as before),
+    # "update_mmap_threshold": agl.memory.UPDATE_MMAP_THRESHOLD_BYTES (1 << 20: updates take their blocks under 1 MiB from heaps, as before)}
+    "before": {"grpo": {"gradient_checkpointing": False}, "sft": {"gradient_checkpointing": False}, "trim": False, "head_chunk_bytes": 1 << 62,
+               "update_mmap_threshold": 1 << 20},
+    "update from heaps": {"grpo": {}, "sft": {}, "trim": True, "update_mmap_threshold": 1 << 20},
     "after": {"grpo": {}, "sft": {}, "trim": True},
 }
 
@@ -182,6 +185,9 @@ def phases_child(variant: dict, decode_prompts: int, decode_batch: int) -> dict:
     import agl.logprobs
 
     agl.logprobs.CHUNK_BYTES = variant.get("head_chunk_bytes", agl.logprobs.CHUNK_BYTES)
+    import agl.memory
+
+    agl.memory.UPDATE_MMAP_THRESHOLD_BYTES = variant.get("update_mmap_threshold", agl.memory.UPDATE_MMAP_THRESHOLD_BYTES)
     import random
     import time
 
@@ -258,13 +264,14 @@ def phases_child(variant: dict, decode_prompts: int, decode_batch: int) -> dict:
         saved = SavedTensors()
 
         def sft_step() -> dict:
-            policy.model.train()
-            sft_optimizer.zero_grad(set_to_none=True)
-            with saved.hooks():
-                stats = sft_loss_and_backward(policy, examples, sft.micro_batch_size, sft.micro_batch_tokens, sft.gradient_checkpointing)
-            torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), sft.max_grad_norm)
-            sft_optimizer.step()
-            policy.model.eval()
+            with agl.memory.update_memory():  # as agl/sft.py's update
+                policy.model.train()
+                sft_optimizer.zero_grad(set_to_none=True)
+                with saved.hooks():
+                    stats = sft_loss_and_backward(policy, examples, sft.micro_batch_size, sft.micro_batch_tokens, sft.gradient_checkpointing)
+                torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), sft.max_grad_norm)
+                sft_optimizer.step()
+                policy.model.eval()
             return stats
 
         stats = phase("SFT warm-up step", "", sft_step)
