@@ -57,14 +57,16 @@ def release_freed_memory(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
 def update_memory():
     """Around a policy update: the mmap threshold at ``UPDATE_MMAP_THRESHOLD_BYTES``, then back, then ``trim``.
 
-    An update allocates many blocks between 256 KiB and 1 MiB (a short micro-batch's activations,
-    a layer's 4-bit weights dequantized, the shared prompt's keys and values) whose sizes change
-    with every micro-batch. From a heap they fragment it: at one GRPO update's peak the heaps held
-    0.5-0.9 GB free against 0.4 GB in use. Mapped, each is unmapped when freed. Measured on
-    SmolLM2, one default GRPO update of 32 samples (~4,800 tokens), twice, in one process per
-    setting: peak RSS 1,623 / 1,706 MiB -> 1,272 / 1,423 MiB, at 65-71 s -> 81 s per update (the
-    kernel zeroes every fresh page: system time). Only where ``release_freed_memory`` pinned the
-    threshold (not under the user's ``MALLOC_MMAP_THRESHOLD_``); the engine is paused meanwhile.
+    An update allocates many blocks between 256 KiB and 1 MiB whose sizes change with every
+    micro-batch (a micro-batch of a few rows has activations that size: [2, 150, 576] fp32 is
+    675 KiB). From a heap they fragment it: at one GRPO update's peak (mallinfo2) the heaps held
+    0.5-0.9 GB free against 0.4 GB in use. Mapped, each is unmapped when freed (glibc maps only
+    what its heaps cannot serve, so part of them still comes from the heaps' free space).
+    bench/memory.py --phases, SmolLM2, the default GRPO update (32 samples, ~6,300 tokens) and SFT
+    step, against the heaps: update peak RSS 2,128 -> 1,730 MiB at 1.23x its time (the kernel zeroes
+    every fresh page: system time), SFT step 1,336 -> 1,272 MiB at 1.06x. Only where
+    ``release_freed_memory`` pinned the threshold (not under the user's ``MALLOC_MMAP_THRESHOLD_``);
+    the engine is paused meanwhile, so nothing else allocates much.
     """
     lowered = _pinned is not None and _set_threshold(UPDATE_MMAP_THRESHOLD_BYTES)
     try:
