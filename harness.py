@@ -12,9 +12,10 @@ import sys
 # It must be set before either runtime starts.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from agl.memory import release_freed_memory  # noqa: E402
+from agl.memory import cap_kernel_caches, release_freed_memory  # noqa: E402
 
 release_freed_memory()  # before torch allocates: freed tensors go back to the OS (agl/memory.py)
+cap_kernel_caches()  # before torch's first matmul: a bounded number of compiled kernels
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402

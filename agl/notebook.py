@@ -32,9 +32,10 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 def run(*overrides: str, run_dir: str | Path | None = None) -> object:
     """Run ``python harness.py *overrides`` in this process; the job's result (see the module docstring)."""
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as harness.py does, if torch is not loaded yet
-    from agl.memory import release_freed_memory
+    from agl.memory import cap_kernel_caches, release_freed_memory
 
     release_freed_memory()  # as harness.py does (late here: what a heap holds already stays there)
+    cap_kernel_caches()  # as harness.py does (no effect if torch already ran a matmul)
     cfg = compose_config(overrides)
     if not (cfg.get("resume") or cfg.get("report") or cfg.get("attach")):  # those name their own dir
         run_dir = Path(run_dir) if run_dir is not None else fresh_run_dir(cfg)

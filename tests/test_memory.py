@@ -1,6 +1,8 @@
 """agl.memory reaches glibc's allocator where there is one, and yields to the user's own setting."""
 import ctypes
 import ctypes.util
+import os
+import subprocess
 import sys
 
 import pytest
@@ -60,3 +62,47 @@ def test_an_update_maps_its_mid_sized_blocks_and_the_threshold_comes_back(monkey
         assert mapped_of(count, size) >= 64
         assert mapped_of(64, 128 << 10) == 0  # below the update's threshold: still a heap's
     assert mapped_of(count, size) == 0
+
+
+def test_the_users_own_kernel_cache_capacity_wins(monkeypatch):
+    monkeypatch.setenv("LRU_CACHE_CAPACITY", "7")
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)  # monkeypatch puts back what the session had
+    memory.cap_kernel_caches(16)
+    assert (os.environ["LRU_CACHE_CAPACITY"], os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"]) == ("7", "16")
+
+
+KERNEL_GROWTH = """
+import ctypes, ctypes.util, sys
+import torch
+from agl import memory
+
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.mallinfo2.restype = Mallinfo2
+if sys.argv[1] == "capped":
+    memory.cap_kernel_caches(16)
+weight = torch.randn(1536, 576, dtype=torch.bfloat16)
+torch.nn.functional.linear(torch.randn(8, 576, dtype=torch.bfloat16), weight)
+before = libc.mallinfo2().uordblks
+for rows in range(100, 260):  # 160 shapes, each new
+    torch.nn.functional.linear(torch.randn(rows, 576, dtype=torch.bfloat16), weight)
+print((libc.mallinfo2().uordblks - before) / 2**20)
+"""
+
+
+@glibc
+def test_capped_kernel_caches_stop_the_heap_growing_with_every_new_matmul_shape():
+    """160 bf16 matmuls of new shapes: uncapped, each keeps a compiled kernel in the heap (where
+    torch's CPU matmuls go through oneDNN); capped at 16, the heap stops growing after 16."""
+    env = {k: v for k, v in os.environ.items() if k not in memory.KERNEL_CACHES}
+
+    def growth_mib(mode: str) -> float:
+        out = subprocess.run([sys.executable, "-c", KERNEL_GROWTH, mode], env=env, capture_output=True, text=True, check=True)
+        return float(out.stdout.strip().splitlines()[-1])
+
+    uncapped = growth_mib("uncapped")
+    if uncapped < 32:
+        pytest.skip(f"this CPU's bf16 matmuls keep no kernel per shape (heap grew {uncapped:.1f} MiB)")
+    assert growth_mib("capped") < uncapped / 4
