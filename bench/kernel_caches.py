@@ -105,7 +105,8 @@ def child(capacity: int, prompts: int, steps: int) -> dict:
             with memory.update_memory():  # as agl/sft.py's update
                 policy.model.train()
                 optimizer.zero_grad(set_to_none=True)
-                losses.append(sft_loss_and_backward(policy, examples, sft.micro_batch_size, sft.micro_batch_tokens)["loss"])
+                stats = sft_loss_and_backward(policy, examples, sft.micro_batch_size, sft.micro_batch_tokens, sft.gradient_checkpointing)
+                losses.append(stats["loss"])
                 torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), sft.max_grad_norm)
                 optimizer.step()
                 policy.model.eval()
