@@ -132,6 +132,22 @@ def collect() -> None:
     trim()
 
 
+class Mallinfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (malloc.h): totals over every arena, in bytes."""
+
+    _fields_ = [(name, ctypes.c_size_t) for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+
+def mallinfo() -> Mallinfo2 | None:
+    """glibc's ``mallinfo2()`` (``uordblks``: bytes in use; ``fordblks``: free in heaps; ``hblks``,
+    ``hblkhd``: blocks mapped on their own), or None (no glibc, or one older than 2.33)."""
+    mallinfo2 = _libc_function("mallinfo2")
+    if mallinfo2 is None:
+        return None
+    mallinfo2.restype = Mallinfo2
+    return mallinfo2()
+
+
 def peak_rss_mib() -> float:
     """Peak resident set size of this process so far (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -33,7 +33,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as harness.py, before tor
 
 import argparse
 import asyncio
-import ctypes
 import datetime
 import gc
 import json
@@ -41,23 +40,15 @@ import shutil
 import tempfile
 import time
 
-from agl.memory import _libc_function, release_freed_memory  # the cached libc lookup agl's mallopt and malloc_trim use
+from agl.memory import _libc_function, mallinfo, release_freed_memory  # the cached libc lookup agl's mallopt and malloc_trim use
 from bench.common import RESULTS, ROOT
 
 M_ARENA_MAX = -8  # mallopt parameter, from glibc's malloc.h
 
 
-class MallInfo2(ctypes.Structure):
-    """glibc's ``struct mallinfo2`` (malloc.h): totals over every arena."""
-
-    _fields_ = [(name, ctypes.c_size_t) for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-
 def heap() -> dict[str, int]:
     """glibc's heap in MiB: held by its arenas, in use there, and in mmapped blocks of their own."""
-    mallinfo2 = _libc_function("mallinfo2")
-    mallinfo2.restype = MallInfo2
-    info = mallinfo2()
+    info = mallinfo()
     return {"arenas_mib": info.arena >> 20, "heap_in_use_mib": info.uordblks >> 20, "mmapped_mib": info.hblkhd >> 20}
 
 

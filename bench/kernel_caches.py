@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
-import ctypes.util
 import datetime
 import hashlib
 import json
@@ -35,10 +33,6 @@ import time
 from bench.common import RESULTS, ROOT
 
 CAPACITIES = {"libraries' default": 1024, "agl": 64}
-
-
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
 
 
 def child(capacity: int, prompts: int, steps: int) -> dict:
@@ -59,12 +53,9 @@ def child(capacity: int, prompts: int, steps: int) -> dict:
     from bench.common import gsm8k_prompts, load_model
     from tasks.gsm8k.agent import demonstrations
 
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    libc.mallinfo2.restype = _Mallinfo2
-
     def in_use_mib() -> float:
         memory.collect()
-        return libc.mallinfo2().uordblks / 2**20
+        return memory.mallinfo().uordblks / 2**20
 
     stages: list[dict] = []
 
@@ -86,7 +77,8 @@ def child(capacity: int, prompts: int, steps: int) -> dict:
         streams = [stream for p in ids for stream in engine.submit(p, params)]  # the engine batches 32 at a time
         return [list(s.token_ids) for s in await asyncio.gather(*(stream.wait() for stream in streams))]
 
-    def decode_stage(name: str) -> tuple[str, float]:
+    def decode_stage(name: str) -> str:
+        """Run the decode as stage ``name``; a digest of the tokens it made."""
         tokens = stage(name, lambda: loop.run_until_complete(decode()))
         stages[-1]["tokens_per_s"] = sum(map(len, tokens)) / stages[-1]["seconds"]
         return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
@@ -137,7 +129,9 @@ def main() -> None:
     if args.child is not None:
         print(json.dumps(child(args.child, args.prompts, args.steps)))
         return
-    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    from agl.memory import KERNEL_CACHES
+
+    env = {k: v for k, v in os.environ.items() if k not in KERNEL_CACHES}
     runs: dict[str, list[dict]] = {name: [] for name in CAPACITIES}
     for _ in range(args.rounds):
         for name, capacity in CAPACITIES.items():

@@ -28,10 +28,6 @@ def test_a_missing_libc_function_is_none_not_an_error():
     assert memory._libc_function("no_such_function_in_libc") is None
 
 
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-
 @glibc
 def test_an_update_maps_its_mid_sized_blocks_and_the_threshold_comes_back(monkeypatch):
     """Inside ``update_memory`` blocks of 512 KiB are mappings of their own (unmapped when freed) once
@@ -40,22 +36,21 @@ def test_an_update_maps_its_mid_sized_blocks_and_the_threshold_comes_back(monkey
     blocks than the heaps' free space holds, plus 64 (a long test session leaves much free)."""
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    if not hasattr(libc, "mallinfo2"):
+    if memory.mallinfo() is None:
         pytest.skip("glibc < 2.33: no mallinfo2")
-    libc.mallinfo2.restype = _Mallinfo2
     libc.malloc.restype = ctypes.c_void_p
     libc.free.argtypes = [ctypes.c_void_p]
 
     def mapped_of(count: int, size: int) -> int:
-        before = libc.mallinfo2().hblks
+        before = memory.mallinfo().hblks
         blocks = [libc.malloc(size) for _ in range(count)]
-        mapped = libc.mallinfo2().hblks - before
+        mapped = memory.mallinfo().hblks - before
         for block in blocks:
             libc.free(block)
         return mapped
 
     size = 512 << 10
-    count = libc.mallinfo2().fordblks // size + 64
+    count = memory.mallinfo().fordblks // size + 64
     assert memory.release_freed_memory()
     assert mapped_of(count, size) == 0
     with memory.update_memory():
@@ -72,23 +67,18 @@ def test_the_users_own_kernel_cache_capacity_wins(monkeypatch):
 
 
 KERNEL_GROWTH = """
-import ctypes, ctypes.util, sys
+import sys
 import torch
 from agl import memory
 
-class Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
-
-libc = ctypes.CDLL(ctypes.util.find_library("c"))
-libc.mallinfo2.restype = Mallinfo2
 if sys.argv[1] == "capped":
     memory.cap_kernel_caches(16)
 weight = torch.randn(1536, 576, dtype=torch.bfloat16)
 torch.nn.functional.linear(torch.randn(8, 576, dtype=torch.bfloat16), weight)
-before = libc.mallinfo2().uordblks
+before = memory.mallinfo().uordblks
 for rows in range(100, 260):  # 160 shapes, each new
     torch.nn.functional.linear(torch.randn(rows, 576, dtype=torch.bfloat16), weight)
-print((libc.mallinfo2().uordblks - before) / 2**20)
+print((memory.mallinfo().uordblks - before) / 2**20)
 """
 
 
