@@ -75,8 +75,8 @@ def child() -> None:
         await server.start()
         try:
             work = gsm8k_messages(64)
-            await route_run(server, work[:32], 32, 8)  # warm-up
-            return (await route_run(server, work, 32, 64))["tokens_per_s"]
+            await route_run(server.base_url, policy.name, work[:32], 32, 8)  # warm-up
+            return (await route_run(server.base_url, policy.name, work, 32, 64))["tokens_per_s"]
         finally:
             await server.stop()
             await engine.stop()

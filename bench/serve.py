@@ -55,16 +55,16 @@ def gsm8k_messages(count: int) -> list[list[dict]]:
     return [[{"role": "user", "content": row["prompt_text"]}] for row in gsm8k_prompts("test", count)]
 
 
-async def route_run(server: ModelServer, work: list[list[dict]], clients: int, new_tokens: int) -> dict:
+async def route_run(base_url: str, model: str, work: list[list[dict]], clients: int, new_tokens: int) -> dict:
     """Each client sends its share of ``work`` one request after another; all clients at once."""
     shares = [work[i::clients] for i in range(clients)]
-    sdk = [openai.AsyncOpenAI(base_url=server.base_url, api_key="bench", max_retries=0, timeout=3600) for _ in range(clients)]
+    sdk = [openai.AsyncOpenAI(base_url=base_url, api_key="bench", max_retries=0, timeout=3600) for _ in range(clients)]
 
     async def client_loop(client: openai.AsyncOpenAI, share: list[list[dict]]) -> int:
         tokens = 0
         for messages in share:
             r = await client.chat.completions.create(
-                model=server.policy.name, messages=messages, max_tokens=new_tokens, temperature=0, extra_body={"ignore_eos": True}
+                model=model, messages=messages, max_tokens=new_tokens, temperature=0, extra_body={"ignore_eos": True}
             )
             assert r.usage.completion_tokens == new_tokens, r.usage
             tokens += r.usage.completion_tokens
@@ -167,7 +167,7 @@ async def main(args: argparse.Namespace) -> dict:
     try:
         for variant in args.decode:  # warm-up: first-call costs out of the timings
             engine.decode_step = fast_step if variant == "fast" else None
-            await route_run(server, gsm8k_messages(2), 2, 4)
+            await route_run(server.base_url, policy.name, gsm8k_messages(2), 2, 4)
         if args.direct:
             direct_run(policy, gsm8k_messages(2), 2, 4)
         for round_ in range(args.repeats):
@@ -176,7 +176,7 @@ async def main(args: argparse.Namespace) -> dict:
                 for variant in order:  # the variants back to back on the same work (the engine idles between)
                     engine.decode_step = fast_step if variant == "fast" else None
                     steps.clear()
-                    run = await route_run(server, works[c], c, args.new_tokens)
+                    run = await route_run(server.base_url, policy.name, works[c], c, args.new_tokens)
                     run["steps"] = list(steps)
                     runs[c][variant].append(run)
                     print(f"round {round_ + 1}, {c} clients, {variant}: {run['tokens_per_s']:.1f} tok/s", flush=True)
