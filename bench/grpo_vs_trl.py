@@ -89,7 +89,7 @@ def run_agl(steps: int, new_tokens: int, gradient_checkpointing: bool) -> dict:
         "task=gsm8k", "algo=grpo", "progress=false", f"task.max_tokens={new_tokens}", "task.eval_size=0",
         f"algo.batch_size={B}", f"algo.group_size={G}", f"algo.lr={LR}", "algo.loss_type=dapo", "algo.temperature=1.0",
         f"algo.epsilon={EPSILON}", f"algo.epsilon_high={EPSILON_HIGH}",
-        "algo.beta=0", "algo.num_iterations=1", "algo.eval_every=0", f"algo.steps={steps + 1}", "algo.micro_batch_size=8",
+        "algo.beta=0", "algo.num_iterations=1", "algo.eval_every=0", f"algo.steps={steps + 1}",  # micro-batches: agl's default token budget
         f"algo.gradient_checkpointing={str(gradient_checkpointing).lower()}",
         "algo.warmup.steps=0",  # gsm8k's recipe has an SFT warm-up; train_step is called directly, so build none
         "runner.n=32", "algo.drop_zero_std=false",  # the same work as TRL, which updates on every group
