@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes.util
 import datetime
 import json
 import os
@@ -84,7 +85,15 @@ PHASE_VARIANTS: dict[str, dict] = {
                "update_mmap_threshold": 1 << 20},
     "update from heaps": {"grpo": {}, "sft": {}, "trim": True, "update_mmap_threshold": 1 << 20},
     "after": {"grpo": {}, "sft": {}, "trim": True},
+    # Allocators. "pin": False leaves glibc's mmap threshold to glibc (dynamic), as without harness.py; "preload": a
+    # malloc loaded in glibc's place (LD_PRELOAD, the library found by --jemalloc / --tcmalloc), with "env" for its options.
+    "glibc unpinned": {"grpo": {}, "sft": {}, "trim": True, "pin": False},
+    "jemalloc": {"grpo": {}, "sft": {}, "trim": True, "pin": False, "preload": "jemalloc"},
+    "jemalloc, pages back after 1 s": {"grpo": {}, "sft": {}, "trim": True, "pin": False, "preload": "jemalloc",
+                                       "env": {"MALLOC_CONF": "dirty_decay_ms:1000,muzzy_decay_ms:0"}},
+    "tcmalloc": {"grpo": {}, "sft": {}, "trim": True, "pin": False, "preload": "tcmalloc"},
 }
+ALLOCATORS = {"jemalloc": ("jemalloc", "libjemalloc2"), "tcmalloc": ("tcmalloc_minimal", "libtcmalloc-minimal4")}  # --name -> (find_library's name, Debian package)
 
 
 class RssSampler:
@@ -179,7 +188,8 @@ def phases_child(variant: dict, decode_prompts: int, decode_batch: int) -> dict:
     """The default job's phases, in order, in this (fresh) process: per phase RSS at its start, its peak and at its end."""
     from agl.memory import release_freed_memory, trim
 
-    release_freed_memory()  # as harness.py does, before torch allocates
+    if variant.get("pin", True):
+        release_freed_memory()  # as harness.py does, before torch allocates
     import dataclasses
 
     import agl.logprobs
@@ -323,7 +333,11 @@ def phases_main(args) -> None:
     for _ in range(args.rounds):
         for name in args.variants:
             command = [sys.executable, __file__, "--phases-child", name, "--prompts", str(args.prompts), "--batch", str(args.batch)]
-            out = subprocess.run(command, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True, check=True)
+            variant = PHASE_VARIANTS[name]
+            env = {**os.environ, "PYTHONPATH": str(ROOT), **variant.get("env", {})}
+            if "preload" in variant:
+                env["LD_PRELOAD"] = getattr(args, variant["preload"])
+            out = subprocess.run(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True, check=True)
             runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(name, json.dumps({p["phase"]: round(p["peak_mib"]) for p in runs[name][-1]["phases"]}), flush=True)
     first = args.variants[0]
@@ -371,7 +385,13 @@ def main() -> None:
     parser.add_argument("--phases-child", metavar="VARIANT")
     parser.add_argument("--batch", type=int, default=64, help="--phases: the engine's batch (engine.max_batch_size)")
     parser.add_argument("--variants", nargs="+", choices=list(PHASE_VARIANTS), default=list(PHASE_VARIANTS), help="--phases: which variants to run")
+    for name, (library, _) in ALLOCATORS.items():
+        parser.add_argument(f"--{name}", default=ctypes.util.find_library(library), help=f"--phases: the {name} library its variants preload")
     args = parser.parse_args()
+    for name in {PHASE_VARIANTS[v].get("preload") for v in args.variants if args.phases} - {None}:
+        if not getattr(args, name):
+            parser.error(f"variant(s) preloading {name} asked for, but no {name} library was found: pass --{name} PATH "
+                         f"(Debian: apt-get install {ALLOCATORS[name][1]}, or apt-get download it and dpkg-deb -x it)")
     args.prompts = args.prompts or (64 if args.phases or args.phases_child else 128)
     if args.phases_child:
         print(json.dumps(phases_child(PHASE_VARIANTS[args.phases_child], args.prompts, args.batch)))
