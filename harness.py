@@ -12,8 +12,15 @@ import sys
 # It must be set before either runtime starts.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from agl.memory import cap_kernel_caches, release_freed_memory  # noqa: E402
+from agl.errors import ConfigError  # noqa: E402
+from agl.memory import cap_kernel_caches, preload_allocator, release_freed_memory  # noqa: E402
 
+if __name__ == "__main__":
+    try:
+        preload_allocator()  # tcmalloc or jemalloc where installed: this command again, under it (agl/memory.py)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
 release_freed_memory()  # before torch allocates: freed tensors go back to the OS (agl/memory.py)
 cap_kernel_caches()  # before torch's first matmul: a bounded number of compiled kernels
 
@@ -21,7 +28,6 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from agl.config import check_command_line, register_configs  # noqa: E402
-from agl.errors import ConfigError  # noqa: E402
 from agl.launchers import check_launcher  # noqa: E402
 from agl.sweep import job_dir_name, sweep_id  # noqa: E402
 

@@ -27,7 +27,7 @@ from agl.config import with_schema
 from agl.errors import ConfigError
 from agl.launchers import apply_threads
 from agl.loggers import run_loggers
-from agl.memory import peak_rss_mib
+from agl.memory import active_allocator, peak_rss_mib
 from agl.seeding import seed_everything
 from agl.sweep import read_status, write_status
 
@@ -49,6 +49,7 @@ def info(cfg: DictConfig, run_dir: Path) -> dict:
         "trainable_pct": round(100 * trainable / total, 3),
         "rss_mib": round(psutil.Process().memory_info().rss / 2**20, 1),
         "peak_rss_mib": round(peak_rss_mib(), 1),
+        "malloc": active_allocator(),
     }
     for key, value in report.items():
         print(f"{key:>17}: {value}")

@@ -37,6 +37,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 from agl.errors import ConfigError
+from agl.memory import active_allocator
 
 log = logging.getLogger(__name__)
 
@@ -143,7 +144,7 @@ def apply_threads(cfg: DictConfig, hydra_cfg: Any | None) -> int:
     torch.set_num_threads(threads)
     for name in THREAD_ENV:  # for runner processes and anything else this job starts
         os.environ[name] = str(threads)
-    log.info("torch threads: %d (%s)", threads, why)
+    log.info("torch threads: %d (%s); malloc: %s", threads, why, active_allocator())
     return threads
 
 

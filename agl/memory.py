@@ -20,8 +20,16 @@ bytes) overrides it, e.g. 33554432 for speed on a machine with memory to spare.
 ``trim`` (glibc's malloc_trim) gives back the free pages left inside heaps. Updates go further
 (``update_memory``): an update's many small, short-lived blocks of ever-changing sizes leave
 its heaps mostly free at its peak, so for the update the threshold drops to 256 KiB, and the
-heaps are trimmed after it. Left out: other allocators (jemalloc, tcmalloc) need LD_PRELOAD before
-the process starts; non-glibc platforms (macOS, musl) keep their own behaviour: both are no-ops there.
+heaps are trimmed after it. Non-glibc platforms (macOS, musl) keep their own behaviour: both are
+no-ops there.
+
+The price of all this is page faults, and an allocator that reuses blocks by size class pays
+neither that price nor glibc's fragmentation. ``preload_allocator`` runs the process again, once,
+with tcmalloc (or jemalloc) loaded in glibc's place, where one is installed (``AGL_ALLOCATOR``);
+the pinning above then does not apply. bench/memory.py --phases, the default job's phases, one
+process each (BENCHMARKS.md, "Allocators"): against pinned glibc, tcmalloc ran the eval decode at
+1.36x the tokens/s, the SFT step in 0.44x the time and the GRPO update in 0.64x the time per
+trained token, at a process peak of 1,913 instead of 1,881 MiB; unpinned glibc peaked at 3,146.
 
 ``cap_kernel_caches`` bounds what the heaps hold for good: the compiled kernels torch's CPU
 matmuls keep per shape (see there).
@@ -35,7 +43,14 @@ import functools
 import gc
 import os
 import resource
+import sys
 
+from agl.errors import ConfigError
+
+ALLOCATORS = {  # AGL_ALLOCATOR's names -> the libraries ldconfig may know each by, and its Debian/Ubuntu package
+    "tcmalloc": (("tcmalloc_minimal", "tcmalloc"), "libtcmalloc-minimal4"),
+    "jemalloc": (("jemalloc",), "libjemalloc2"),
+}
 M_MMAP_THRESHOLD = -3  # mallopt parameters, from glibc's malloc.h
 KERNEL_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's primitives; ideep's, around them
 KERNEL_CACHE_CAPACITY = 64  # entries in each (both libraries default to 1024)
@@ -44,14 +59,58 @@ UPDATE_MMAP_THRESHOLD_BYTES = 256 << 10  # during an update (update_memory)
 _pinned: int | None = None  # the threshold release_freed_memory set, if it did
 
 
+def allocator_library(choice: str) -> str | None:
+    """The malloc library ``choice`` names: ``tcmalloc`` or ``jemalloc`` (as ldconfig finds it), a
+    path to one, ``auto`` (the first of tcmalloc and jemalloc found, else None) or ``glibc`` (None)."""
+    if choice == "glibc":
+        return None
+    if os.sep in choice:
+        if not os.path.isfile(choice):
+            raise ConfigError(f"AGL_ALLOCATOR={choice}: no such file")
+        return choice
+    if choice != "auto" and choice not in ALLOCATORS:
+        raise ConfigError(f"AGL_ALLOCATOR={choice}: expected auto, glibc, {', '.join(ALLOCATORS)} or a library's path")
+    for name, (libraries, package) in ALLOCATORS.items():
+        if choice in ("auto", name):
+            if found := next(filter(None, map(ctypes.util.find_library, libraries)), None):
+                return found
+            if choice == name:
+                raise ConfigError(f"AGL_ALLOCATOR={name}: no {name} library found (Debian/Ubuntu: apt-get install {package})")
+    return None
+
+
+def preload_allocator() -> None:
+    """Run this process's command again, once, with ``AGL_ALLOCATOR``'s malloc preloaded (default
+    ``auto``: tcmalloc or jemalloc where one is installed, else glibc as it is). Call it first
+    thing: nothing from before survives the exec."""
+    library = allocator_library(os.environ.get("AGL_ALLOCATOR", "auto"))
+    preloaded = os.environ.get("LD_PRELOAD", "")
+    if library is None or library in preloaded:  # already preloaded (or the loader refused it: then no loop either)
+        return
+    os.environ["LD_PRELOAD"] = f"{library} {preloaded}".strip()
+    os.execv(sys.executable, sys.orig_argv)
+
+
+def active_allocator() -> str:
+    """``tcmalloc``, ``jemalloc`` or ``glibc``: which malloc this process runs on."""
+    with contextlib.suppress(OSError):
+        with open("/proc/self/maps") as maps:
+            loaded = maps.read()
+        for name in ALLOCATORS:
+            if f"lib{name}" in loaded:
+                return name
+    return "glibc"
+
+
 def release_freed_memory(threshold: int = MMAP_THRESHOLD_BYTES) -> bool:
-    """Pin glibc's mmap threshold at ``threshold`` bytes; False where there is no glibc mallopt.
+    """Pin glibc's mmap threshold at ``threshold`` bytes; False where there is no glibc mallopt,
+    or another malloc serves this process (``preload_allocator``).
 
     Call it early: blocks already taken from a heap stay there. ``MALLOC_MMAP_THRESHOLD_`` in the
     environment (glibc's own setting) wins, so a user can still choose.
     """
     global _pinned
-    if "MALLOC_MMAP_THRESHOLD_" in os.environ or not _set_threshold(threshold):
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ or active_allocator() != "glibc" or not _set_threshold(threshold):
         return False
     _pinned = threshold
     return True

@@ -9,6 +9,7 @@ import pytest
 
 from agl import memory
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or ctypes.util.find_library("c") is None, reason="glibc only")
 
 
@@ -96,3 +97,77 @@ def test_capped_kernel_caches_stop_the_heap_growing_with_every_new_matmul_shape(
     if uncapped < 32:
         pytest.skip(f"this CPU's bf16 matmuls keep no kernel per shape (heap grew {uncapped:.1f} MiB)")
     assert growth_mib("capped") < uncapped / 4
+
+
+def test_allocator_names_resolve_and_bad_ones_say_what_is_wrong(tmp_path):
+    assert memory.allocator_library("glibc") is None
+    library = tmp_path / "libsomething.so"
+    library.write_bytes(b"")
+    assert memory.allocator_library(str(library)) == str(library)
+    for choice, words in (("tcmalloc2", "expected auto, glibc"), (str(tmp_path / "missing.so"), "no such file")):
+        with pytest.raises(memory.ConfigError, match=words):
+            memory.allocator_library(choice)
+    for name in memory.ALLOCATORS:  # asked for by name: the library, or an error naming the package to install
+        try:
+            assert memory.allocator_library(name)
+        except memory.ConfigError as error:
+            assert "apt-get install lib" in str(error)
+    assert memory.allocator_library("auto") in (None, *(memory.allocator_library(n) for n in memory.ALLOCATORS if _found(n)))
+
+
+def _found(name: str) -> bool:
+    return any(ctypes.util.find_library(lib) for lib in memory.ALLOCATORS[name][0])
+
+
+PRELOAD_CHILD = """
+import os, sys
+from agl import memory
+print("start", flush=True)
+memory.preload_allocator()
+with open("/proc/self/maps") as maps:
+    print("loaded", sys.argv[1] in maps.read(), memory.active_allocator(), memory.release_freed_memory(), flush=True)
+"""
+
+
+def _mapped_path(soname: str) -> str | None:
+    """Where the dynamic loader finds ``soname``: load it here and read the mapping's path."""
+    ctypes.CDLL(soname)
+    stem = "/" + soname.split(".so")[0] + ".so"  # the mapped file is the soname's target: libz.so.1 -> libz.so.1.2.13
+    with open("/proc/self/maps") as maps:
+        return next((line.split()[-1] for line in maps if stem in line), None)
+
+
+@glibc
+@pytest.mark.parametrize("choice", ["zlib", "tcmalloc", "jemalloc"])
+def test_preload_runs_the_command_again_once_under_the_library(choice, tmp_path):
+    """The real mechanism (exec with LD_PRELOAD), checked from inside the child: the library is mapped,
+    and the command ran twice (the first run exec'd) and no more. zlib, given by its path, stands in
+    where neither malloc is installed: any shared library shows the exec; a malloc also takes glibc's
+    place, so glibc's threshold is not pinned under it."""
+    if choice == "zlib":
+        soname = ctypes.util.find_library("z")
+        setting = _mapped_path(soname) if soname else None
+    else:
+        setting = choice if _found(choice) else None
+    if setting is None:
+        pytest.skip(f"no {choice} library on this machine")
+    script = tmp_path / "child.py"
+    script.write_text(PRELOAD_CHILD)
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_")}
+    env["AGL_ALLOCATOR"] = setting
+    env["PYTHONPATH"] = ROOT  # this checkout's agl
+    out = subprocess.run([sys.executable, str(script), "libz" if choice == "zlib" else f"lib{choice}"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.split()
+    assert lines[:2] == ["start", "start"] and lines[2] == "loaded"  # the first run exec'd; the second did not
+    mapped, active, pinned = lines[3:]
+    assert mapped == "True"
+    expected = "glibc" if choice == "zlib" else choice
+    assert (active, pinned) == (expected, str(expected == "glibc"))
+
+
+def test_the_harness_names_a_malloc_it_cannot_find_before_anything_else():
+    env = {**os.environ, "AGL_ALLOCATOR": "tcmalloc2"}
+    out = subprocess.run([sys.executable, "harness.py", "algo=info"], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 2
+    assert out.stderr.strip() == "error: AGL_ALLOCATOR=tcmalloc2: expected auto, glibc, tcmalloc, jemalloc or a library's path"
