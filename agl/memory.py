@@ -70,13 +70,18 @@ def allocator_library(choice: str) -> str | None:
         return choice
     if choice != "auto" and choice not in ALLOCATORS:
         raise ConfigError(f"AGL_ALLOCATOR={choice}: expected auto, glibc, {', '.join(ALLOCATORS)} or a library's path")
-    for name, (libraries, package) in ALLOCATORS.items():
+    for name, (_, package) in ALLOCATORS.items():
         if choice in ("auto", name):
-            if found := next(filter(None, map(ctypes.util.find_library, libraries)), None):
+            if found := find_allocator(name):
                 return found
             if choice == name:
                 raise ConfigError(f"AGL_ALLOCATOR={name}: no {name} library found (Debian/Ubuntu: apt-get install {package})")
     return None
+
+
+def find_allocator(name: str) -> str | None:
+    """The library ldconfig knows ``name`` (a key of ``ALLOCATORS``) by, or None."""
+    return next(filter(None, map(ctypes.util.find_library, ALLOCATORS[name][0])), None)
 
 
 def preload_allocator() -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes.util
 import datetime
 import json
 import os
@@ -29,6 +28,7 @@ import statistics
 import subprocess
 import sys
 
+from agl.memory import ALLOCATORS, find_allocator
 from bench.common import RESULTS, ROOT
 
 VARIANTS = {"default malloc": {"AGL_BENCH_PIN": "0"}, "mmap threshold pinned at 1 MiB": {"AGL_BENCH_PIN": "1"}}
@@ -93,7 +93,6 @@ PHASE_VARIANTS: dict[str, dict] = {
                                        "env": {"MALLOC_CONF": "dirty_decay_ms:1000,muzzy_decay_ms:0"}},
     "tcmalloc": {"grpo": {}, "sft": {}, "trim": True, "pin": False, "preload": "tcmalloc"},
 }
-ALLOCATORS = {"jemalloc": ("jemalloc", "libjemalloc2"), "tcmalloc": ("tcmalloc_minimal", "libtcmalloc-minimal4")}  # --name -> (find_library's name, Debian package)
 
 
 class RssSampler:
@@ -385,8 +384,8 @@ def main() -> None:
     parser.add_argument("--phases-child", metavar="VARIANT")
     parser.add_argument("--batch", type=int, default=64, help="--phases: the engine's batch (engine.max_batch_size)")
     parser.add_argument("--variants", nargs="+", choices=list(PHASE_VARIANTS), default=list(PHASE_VARIANTS), help="--phases: which variants to run")
-    for name, (library, _) in ALLOCATORS.items():
-        parser.add_argument(f"--{name}", default=ctypes.util.find_library(library), help=f"--phases: the {name} library its variants preload")
+    for name in ALLOCATORS:  # agl.memory's names for them, as AGL_ALLOCATOR takes them
+        parser.add_argument(f"--{name}", default=find_allocator(name), help=f"--phases: the {name} library its variants preload")
     args = parser.parse_args()
     for name in {PHASE_VARIANTS[v].get("preload") for v in args.variants if args.phases} - {None}:
         if not getattr(args, name):

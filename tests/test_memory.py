@@ -112,12 +112,8 @@ def test_allocator_names_resolve_and_bad_ones_say_what_is_wrong(tmp_path):
             assert memory.allocator_library(name)
         except memory.ConfigError as error:
             assert "apt-get install lib" in str(error)
-    found = [memory.allocator_library(name) for name in memory.ALLOCATORS if _found(name)]
+    found = [memory.allocator_library(name) for name in memory.ALLOCATORS if memory.find_allocator(name)]
     assert memory.allocator_library("auto") == (found[0] if found else None)  # tcmalloc first, then jemalloc
-
-
-def _found(name: str) -> bool:
-    return any(ctypes.util.find_library(lib) for lib in memory.ALLOCATORS[name][0])
 
 
 PRELOAD_CHILD = """
@@ -149,7 +145,7 @@ def test_preload_runs_the_command_again_once_under_the_library(choice, tmp_path)
         soname = ctypes.util.find_library("z")
         setting = _mapped_path(soname) if soname else None
     else:
-        setting = choice if _found(choice) else None
+        setting = choice if memory.find_allocator(choice) else None
     if setting is None:
         pytest.skip(f"no {choice} library on this machine")
     script = tmp_path / "child.py"
