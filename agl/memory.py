@@ -96,10 +96,10 @@ def preload_allocator() -> None:
     os.execv(sys.executable, sys.orig_argv)
 
 
-def active_allocator() -> str:
-    """``tcmalloc``, ``jemalloc`` or ``glibc``: which malloc this process runs on."""
+def active_allocator(pid: int | str = "self") -> str:
+    """``tcmalloc``, ``jemalloc`` or ``glibc``: which malloc process ``pid`` (default: this one) runs on."""
     with contextlib.suppress(OSError):
-        with open("/proc/self/maps") as maps:
+        with open(f"/proc/{pid}/maps") as maps:
             loaded = maps.read()
         for name in ALLOCATORS:
             if f"lib{name}" in loaded:

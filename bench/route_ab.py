@@ -37,6 +37,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from agl.memory import active_allocator
 from bench.common import RESULTS, matmul_probe
 from bench.serve import gsm8k_messages, route_run
 
@@ -100,7 +101,8 @@ def main(args: argparse.Namespace) -> dict:
                     try:
                         start = time.perf_counter()
                         by_level = asyncio.run(levels(route, args))
-                        runs[name].append({"levels": by_level, "peak_rss_mib": route.peak_rss_mib(), "wall_s": time.perf_counter() - start})
+                        runs[name].append({"levels": by_level, "peak_rss_mib": route.peak_rss_mib(), "malloc": active_allocator(route.process.pid),
+                                           "wall_s": time.perf_counter() - start})
                     finally:
                         route.stop()
                     print(f"round {round_ + 1}, {name}: " + ", ".join(f"{c}: {r['tokens_per_s']:.1f}" for c, r in by_level.items()) + " tok/s", flush=True)
@@ -127,6 +129,7 @@ def main(args: argparse.Namespace) -> dict:
         "arms": list(runs),
         "levels": table,
         "peak_rss_mib": {name: statistics.median(r["peak_rss_mib"] for r in arm_runs) for name, arm_runs in runs.items()},
+        "malloc": {name: sorted({r["malloc"] for r in arm_runs}) for name, arm_runs in runs.items()},
         "runs": runs,
         "command": " ".join(sys.argv[1:]),
     }
@@ -155,7 +158,8 @@ def markdown(result: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Peak RSS of the server (median over rounds): " + ", ".join(f"{name} {mib:,.0f} MiB" for name, mib in result["peak_rss_mib"].items()) + ".",
+        "Peak RSS of the server (median over rounds): " + ", ".join(f"{name} {mib:,.0f} MiB" for name, mib in result["peak_rss_mib"].items()) + ". "
+        "Its malloc: " + ", ".join(f"{name} {'/'.join(kinds)}" for name, kinds in result["malloc"].items()) + ".",
         "",
         f"`PYTHONPATH=. .venv/bin/python bench/route_ab.py {result['command']}`",
         "",
