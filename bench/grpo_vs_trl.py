@@ -14,10 +14,13 @@ cot prompt), and the same activation checkpointing setting (on by default in bot
     ``trl-fp32`` with fp32 compute (bitsandbytes' default). Where agl's dtype resolves to float32
     (a CPU without native bf16) the two are the same run, so only ``trl`` runs, labelled fp32.
 
-Each system runs in its own subprocess (so each has its own peak RSS), one warm-up step and
+Each system runs in its own subprocess (so each has its own peak RSS and malloc), one warm-up step and
 then ``--steps`` timed steps; the driver alternates the systems for ``--rounds`` rounds so
 machine noise hits both alike. The matmul peak (bf16 and fp32 GFLOP/s) is measured first; where
 bf16 is not native the bf16 probe uses a small matrix (it runs at well under 1 GFLOP/s there).
+agl's worker sets up memory as ``harness.py`` does: ``AGL_ALLOCATOR``'s malloc (default ``auto``:
+tcmalloc or jemalloc where installed), else glibc with its mmap threshold pinned, and capped kernel
+caches (agl/memory.py). TRL's runs on ``--trl-malloc`` (default ``glibc``, untouched: as TRL runs).
 Results go to ``bench/results/grpo_vs_trl_<new tokens>.{md,json}``.
 
     PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py --new-tokens 128
@@ -42,7 +45,7 @@ import tempfile
 import time
 from importlib import metadata
 
-from agl.memory import peak_rss_mib
+from agl.memory import ALLOCATORS, active_allocator, cap_kernel_caches, peak_rss_mib, preload_allocator, release_freed_memory
 from bench.common import RESULTS, ROOT, gsm8k_prompts, load_model, matmul_probe, time_method
 
 GFLOP_PER_TOKEN = 0.27  # forward, 2 x 135M parameters; backward counted as 2 x forward
@@ -252,16 +255,21 @@ def run_trl(steps: int, new_tokens: int, gradient_checkpointing: bool, compute_d
 
 
 def worker(system: str, steps: int, new_tokens: int, gradient_checkpointing: bool) -> None:
+    preload_allocator()  # the driver set AGL_ALLOCATOR for this system; runs this worker again under it, once
     if system == "agl":
+        release_freed_memory()  # as harness.py does (a no-op under tcmalloc or jemalloc)
+        cap_kernel_caches()
         result = run_agl(steps, new_tokens, gradient_checkpointing)
     else:
         result = run_trl(steps, new_tokens, gradient_checkpointing, SYSTEMS[system])
     result["peak_rss_mib"] = peak_rss_mib()
+    result["malloc"] = active_allocator()
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def launch(system: str, steps: int, new_tokens: int, gradient_checkpointing: bool) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def launch(system: str, steps: int, new_tokens: int, gradient_checkpointing: bool, trl_malloc: str) -> dict:
+    malloc = os.environ.get("AGL_ALLOCATOR", "auto") if system == "agl" else trl_malloc
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "AGL_ALLOCATOR": malloc}
     command = [sys.executable, __file__, "--worker", system, "--steps", str(steps), "--new-tokens", str(new_tokens)]
     command.append("--gradient-checkpointing" if gradient_checkpointing else "--no-gradient-checkpointing")
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -300,6 +308,7 @@ def summarize(runs: list[dict], peak: dict, dtype: str) -> dict:
         "completion_tokens": med("completion_tokens"),
         "reward_mean": med("reward_mean"),
         "peak_rss_mib": max(run["peak_rss_mib"] for run in runs),
+        "malloc": "/".join(sorted({run.get("malloc", "?") for run in runs})),
         "flops_per_step_gflop": flops,
         "achieved_gflops": flops / step_s,
         "peak_gflops": peak_gflops,
@@ -331,6 +340,8 @@ def main() -> None:
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                         help="activation checkpointing of the decoder layers in both systems (default on: agl's and TRL's default)")
     parser.add_argument("--only", nargs="+", choices=list(SYSTEMS), help="run only these systems")
+    parser.add_argument("--trl-malloc", default="glibc", choices=["glibc", "auto", *ALLOCATORS],
+                        help="TRL's malloc (AGL_ALLOCATOR's names; default glibc, as TRL runs). agl's is AGL_ALLOCATOR's (default auto)")
     parser.add_argument("--worker", choices=list(SYSTEMS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -343,7 +354,7 @@ def main() -> None:
     for round_ in range(args.rounds):
         for system in systems if round_ % 2 == 0 else systems[::-1]:
             print(f"round {round_ + 1}/{args.rounds}: {system} ...", flush=True)
-            runs[system].append(launch(system, args.steps, args.new_tokens, args.gradient_checkpointing))
+            runs[system].append(launch(system, args.steps, args.new_tokens, args.gradient_checkpointing, args.trl_malloc))
     summary = {s: summarize(r, peak, dtypes[s]) for s, r in runs.items()}
     result = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -354,7 +365,7 @@ def main() -> None:
         "compute_dtypes": dtypes, "note": note, "matmul_peak": peak, "summary": summary, "runs": runs,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    stem = f"grpo_vs_trl_{args.new_tokens}"
+    stem = f"grpo_vs_trl_{args.new_tokens}" + ("" if args.trl_malloc == "glibc" else f"_trl_{args.trl_malloc}")
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1))
     (RESULTS / f"{stem}.md").write_text(render(result))
     print(render(result))
@@ -395,6 +406,7 @@ def render(result: dict) -> str:
         ("completion tokens / step", "completion_tokens", "{:.0f}"),
         ("reward mean", "reward_mean", "{:.3f}"),
         ("peak RSS MiB", "peak_rss_mib", "{:.0f}"),
+        ("malloc", "malloc", "{}"),
         ("GFLOP / step (est.)", "flops_per_step_gflop", "{:.0f}"),
         ("achieved GFLOP/s", "achieved_gflops", "{:.1f}"),
         ("fraction of matmul peak (its compute dtype)", "fraction_of_peak", "{:.3f}"),
@@ -408,7 +420,9 @@ def render(result: dict) -> str:
             lines += ["", f"**agl steps/s ÷ {trl} steps/s = {ratio:.2f}×**"]
     lines += ["", "`trl`: TRL's GRPOTrainer on agl's policy object (the same NF4 base and fresh LoRA) with agl's compute dtype "
               "(model.compute_dtype=auto: bf16 where the CPU has it natively, else fp32; bitsandbytes' CPU repacking off). "
-              "`trl-fp32`: the same with fp32 compute, bitsandbytes' default."]
+              "`trl-fp32`: the same with fp32 compute, bitsandbytes' default. Memory: agl's worker as `harness.py` sets it up "
+              "(AGL_ALLOCATOR's malloc, default tcmalloc or jemalloc where installed, else glibc with its mmap threshold "
+              "pinned; capped kernel caches); TRL's on `--trl-malloc` (default glibc, untouched). Row 'malloc'."]
     if result.get("note"):
         lines += ["", result["note"]]
     lines += ["", "TRL 1.16 casts a quantized model's LoRA weights to bf16 (the QLoRA recipe); where TRL computes in fp32 the "
