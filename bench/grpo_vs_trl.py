@@ -21,7 +21,7 @@ bf16 is not native the bf16 probe uses a small matrix (it runs at well under 1 G
 agl's worker sets up memory as ``harness.py`` does: ``AGL_ALLOCATOR``'s malloc (default ``auto``:
 tcmalloc or jemalloc where installed), else glibc with its mmap threshold pinned, and capped kernel
 caches (agl/memory.py). TRL's runs on ``--trl-malloc`` (default ``glibc``, untouched: as TRL runs).
-Results go to ``bench/results/grpo_vs_trl_<new tokens>.{md,json}``.
+Results go to ``bench/results/grpo_vs_trl_<new tokens>[_trl_<malloc>][_no_checkpointing].{md,json}``.
 
     PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py --new-tokens 128
     PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py --new-tokens 256
@@ -366,6 +366,7 @@ def main() -> None:
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = f"grpo_vs_trl_{args.new_tokens}" + ("" if args.trl_malloc == "glibc" else f"_trl_{args.trl_malloc}")
+    stem += "" if args.gradient_checkpointing else "_no_checkpointing"
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1))
     (RESULTS / f"{stem}.md").write_text(render(result))
     print(render(result))
