@@ -168,3 +168,19 @@ def test_the_harness_names_a_malloc_it_cannot_find_before_anything_else():
     out = subprocess.run([sys.executable, "harness.py", "algo=info"], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 2
     assert out.stderr.strip() == "error: AGL_ALLOCATOR=tcmalloc2: expected auto, glibc, tcmalloc, jemalloc or a library's path"
+
+
+@glibc
+def test_active_allocator_reads_another_process_by_its_pid():
+    """What bench/route_ab.py records for each server: the malloc mapped into that process, not this one."""
+    children = {"glibc": {}}
+    children.update({name: {"LD_PRELOAD": memory.find_allocator(name)} for name in memory.ALLOCATORS if memory.find_allocator(name)})
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    for name, preload in children.items():
+        code = "import sys; print('ready', flush=True); sys.stdin.read()"  # up (its libraries mapped) until stdin closes
+        child = subprocess.Popen([sys.executable, "-c", code], env={**env, **preload}, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        try:
+            assert child.stdout.readline() == b"ready\n"
+            assert memory.active_allocator(child.pid) == name
+        finally:
+            child.communicate(b"")
