@@ -107,6 +107,8 @@ class LoraConfig:
     # A LoRA (same r, alpha) on the vocabulary matrices too (README "LoRA on the vocabulary matrices").
     train_embeddings: bool = False
     train_head: bool = False
+    # The update runs each LoRA linear as one matmul with W + scale·B·A (agl/merged_lora.py; the same gradients).
+    train_merged: Any = "auto"  # auto (on when the policy computes in float32) | true | false
 
 
 @dataclasses.dataclass

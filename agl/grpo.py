@@ -25,6 +25,7 @@ from agl.config import GRPOConfig  # noqa: F401 (the typed algo=grpo config live
 from agl.logprobs import token_logprobs
 from agl.loss import group_advantages, policy_loss, token_weights
 from agl.memory import update_memory
+from agl.merged_lora import merged_lora_layers
 from agl.model import Policy
 
 
@@ -357,7 +358,8 @@ class GRPOUpdate:
         self.optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=config.lr, weight_decay=config.weight_decay)
 
     def step(self, samples: Sequence[Sample], advs: Sequence[float]) -> dict[str, float]:
-        with update_memory():  # small blocks mapped, heaps trimmed after (agl/memory.py)
+        # small blocks mapped, heaps trimmed after (agl/memory.py); LoRA layers as one matmul each (agl/merged_lora.py)
+        with update_memory(), merged_lora_layers(self.policy.model, self.policy.train_merged):
             return self._step(samples, advs)
 
     def _step(self, samples: Sequence[Sample], advs: Sequence[float]) -> dict[str, float]:

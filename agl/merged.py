@@ -48,20 +48,26 @@ def dense_linear(layer: nn.Module, dtype: torch.dtype, lora: bool = True) -> Den
     """The layer as one dense matrix in ``dtype``: its dequantized base weight plus (``lora``)
     the active LoRA deltas, summed in fp32 and rounded once."""
     from peft.tuners.lora import LoraLayer
-    from peft.utils.integrations import dequantize_bnb_weight
 
     wrapped = isinstance(layer, LoraLayer)
     base = layer.get_base_layer() if wrapped else layer
-    weight = base.weight
-    if type(weight).__name__ in ("Params4bit", "Int8Params"):
-        weight = dequantize_bnb_weight(weight, state=getattr(base, "state", None))
-    weight = weight.detach().float()
+    weight = base_weight(base)
     if lora and wrapped and not layer.disable_adapters and not layer.merged:
         for adapter in layer.active_adapters:
             if adapter in layer.lora_A:
                 weight = weight + layer.get_delta_weight(adapter).float()
     bias = None if base.bias is None else base.bias.detach().to(dtype)
     return DenseLinear(weight.to(dtype), bias)
+
+
+def base_weight(base: nn.Module) -> torch.Tensor:
+    """A linear layer's weight as a dense fp32 matrix, dequantized if it is a bitsandbytes one."""
+    from peft.utils.integrations import dequantize_bnb_weight
+
+    weight = base.weight
+    if type(weight).__name__ in ("Params4bit", "Int8Params"):
+        weight = dequantize_bnb_weight(weight, state=getattr(base, "state", None))
+    return weight.detach().float()
 
 
 def dense_layers(model: nn.Module) -> dict[str, nn.Module]:

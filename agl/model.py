@@ -35,7 +35,7 @@ import torch
 from omegaconf import OmegaConf
 
 from agl import config as agl_config
-from agl import silence_bitsandbytes
+from agl import merged_lora, silence_bitsandbytes
 from agl.config import ModelConfig, TinyConfig, typed
 from agl.errors import ConfigError
 
@@ -243,6 +243,7 @@ class Policy:
     context_length: int
     name: str
     version: int = 0
+    train_merged: bool = False  # the update runs LoRA linears merged (model.lora.train_merged, agl/merged_lora.py)
 
     def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None, add_generation_prompt: bool = True) -> list[int]:
         """Token ids of ``messages`` rendered through the model's chat template.
@@ -421,6 +422,7 @@ def _load_policy(cfg: Any, device: str) -> Policy:
         eos_token_ids=sorted(i for i in eos if i is not None),
         context_length=int(getattr(base.config, "max_position_embeddings", 2048)),
         name=cfg.name or Path(str(cfg.path)).name,
+        train_merged=merged_lora.resolve(cfg.lora.train_merged, compute_dtype),
     )
 
 

@@ -96,6 +96,7 @@ def sft_loss_and_backward(
     """
     from agl.checkpointing import checkpointed_layers
     from agl.grpo import fused_head
+    from agl.merged_lora import merged_lora_layers
 
     pad_id = policy.tokenizer.pad_token_id if policy.tokenizer.pad_token_id is not None else policy.eos_token_ids[0]
     total_tokens = sum(sum(mask) for _, mask in examples)
@@ -103,7 +104,8 @@ def sft_loss_and_backward(
         return {"loss": float("nan"), "train_tokens": 0}
     head = fused_head(policy)
     loss_sum = 0.0
-    with checkpointed_layers(policy.model, gradient_checkpointing):  # activations of one layer at a time (agl/checkpointing.py)
+    # activations of one layer at a time (agl/checkpointing.py); LoRA layers as one matmul each (agl/merged_lora.py)
+    with checkpointed_layers(policy.model, gradient_checkpointing), merged_lora_layers(policy.model, policy.train_merged):
         for indices in sft_micro_batches([len(ids) for ids, _ in examples], micro_batch_size, micro_batch_tokens):
             loss_sum += _micro_batch_backward(policy, [examples[i] for i in indices], head, total_tokens, pad_id)
     return {"loss": loss_sum, "train_tokens": total_tokens}

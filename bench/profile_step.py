@@ -7,7 +7,8 @@ Three measurements on the embedded model (NF4 + fresh LoRA r16, compute dtype ``
   - engine: 4 GSM8K prompts x 8 samples x 128 tokens through ``Engine``, split into model
     forward and token sampling;
   - update: one GRPO micro-batch (8 x 128 completion tokens sharing a 150-token prompt),
-    forward + backward, with the fused log-prob head vs. the model's own logits.
+    forward + backward: the fused log-prob head with the LoRA layers merged (agl/merged_lora.py)
+    and through peft's own LoRA forward, and the model's own logits.
 
 Variants alternate within each measurement (medians), so machine noise hits both alike.
 ``--profile`` also prints torch.profiler's top operators for a decode step and an update.
@@ -31,7 +32,7 @@ from collections import defaultdict
 
 import torch
 
-from bench.common import RESULTS, gsm8k_prompts, load_model, time_method
+from bench.common import RESULTS, gsm8k_prompts, load_model, matmul_probe, time_method
 
 BATCH, PROMPT, NEW_TOKENS = 32, 150, 128
 
@@ -90,10 +91,16 @@ def engine_split(policy, weights: str) -> dict:
     return dict(timings)
 
 
-def update_step(policy, fused: bool, profile: bool = False) -> dict:
-    """One GRPO micro-batch of 8 x 128 tokens sharing a 150-token prompt: forward/backward seconds."""
+def update_step(policy, fused: bool, merged: bool | None = None, profile: bool = False) -> dict:
+    """One GRPO micro-batch of 8 x 128 tokens sharing a 150-token prompt: forward/backward seconds.
+    ``merged``: LoRA layers merged in the update or not (None: the policy's ``train_merged``)."""
+    import dataclasses
+
     import agl.grpo as grpo
     from agl.adapter import Sample
+
+    if merged is not None:
+        policy = dataclasses.replace(policy, train_merged=merged)
 
     rng = random.Random(0)
     samples = [
@@ -128,35 +135,47 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's top operators")
+    parser.add_argument("--parts", nargs="+", choices=["decode", "engine", "update"], default=["decode", "engine", "update"])
     args = parser.parse_args()
 
     from agl.merged import MergedSampler
 
     policy = load_model()
     policy.model.eval()
+    probes = [matmul_probe(policy.compute_dtype)]  # the machine's speed varies: its matmul peak before and after
     merged = MergedSampler(policy.model, policy.compute_dtype)
     models = {"adapter": lambda: policy.model, "merged": merged.model}
-    decode = {name: [] for name in models}
-    engine = {name: [] for name in models}
-    update = {"fused": [], "model logits": []}
-    update_step(policy, fused=True)  # warm-up
+    decode = {name: [] for name in models} if "decode" in args.parts else {}
+    engine = {name: [] for name in models} if "engine" in args.parts else {}
+    update_variants = {  # (fused head, LoRA layers merged)
+        "fused, LoRA merged": (True, True), "fused, peft LoRA": (True, False), "model logits": (False, policy.train_merged),
+    }
+    update = {name: [] for name in update_variants} if "update" in args.parts else {}
+    if update:
+        update_step(policy, fused=True)  # warm-up
     for round_ in range(args.rounds):
         print(f"round {round_ + 1}/{args.rounds}", flush=True)
-        for name, model in models.items():
-            decode[name].append(decode_steps(model(), steps=10))
-        for name in models:
+        for name in decode:
+            decode[name].append(decode_steps(models[name](), steps=10))
+        for name in engine:
             engine[name].append(engine_split(policy, name))
-        for name in update:
-            update[name].append(update_step(policy, fused=name == "fused"))
+        names = list(update)
+        for name in names[round_ % len(names):] + names[: round_ % len(names)]:  # each variant first in turn
+            fused, lora_merged = update_variants[name]
+            update[name].append(update_step(policy, fused=fused, merged=lora_merged))
     if args.profile:
         decode_steps(merged.model(), steps=1, profile=True)
         update_step(policy, fused=True, profile=True)
 
+    probes.append(matmul_probe(policy.compute_dtype))
     result = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "compute_dtype": str(policy.compute_dtype).removeprefix("torch."),
+        "matmul_probe_gflops": probes,
         "decode_step_ms": {k: statistics.median(v) for k, v in decode.items()},
         "engine": {k: median_of(v) for k, v in engine.items()},
         "update_micro_batch": {k: median_of(v) for k, v in update.items()},
+        "update_rounds_s": {k: [r["step_s"] for r in v] for k, v in update.items()},
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "profile_step.json").write_text(json.dumps(result, indent=1))
@@ -166,11 +185,20 @@ def main() -> None:
 
 def render(result: dict) -> str:
     d, e, u = result["decode_step_ms"], result["engine"], result["update_micro_batch"]
+    rounds = result.get("update_rounds_s", {})
+    paired = ""
+    if "fused, LoRA merged" in rounds and len(rounds["fused, LoRA merged"]) > 1:
+        ratios = sorted(m / p for m, p in zip(rounds["fused, LoRA merged"], rounds["fused, peft LoRA"]))
+        paired = (
+            f"\nUpdate micro-batch, LoRA merged / peft LoRA, per round (paired): median **{statistics.median(ratios):.3f}**, "
+            f"{sum(r < 1 for r in ratios)} of {len(ratios)} rounds below 1; sorted: {', '.join(f'{r:.3f}' for r in ratios)}.\n"
+        )
     lines = [
         "# Step parts: alternatives side by side",
         "",
-        f"{result['date']}. SmolLM2-135M-Instruct NF4 + LoRA r16, compute dtype auto, CPU. Medians of alternated rounds. "
-        "Written by `bench/profile_step.py`.",
+        f"{result['date']}. SmolLM2-135M-Instruct NF4 + LoRA r16, compute dtype auto ({result['compute_dtype']}), CPU; "
+        f"{result['compute_dtype']} 2048² matmul probe {result['matmul_probe_gflops'][0]:.0f} / {result['matmul_probe_gflops'][1]:.0f} GFLOP/s "
+        "before / after. Medians of alternated rounds. Written by `bench/profile_step.py`.",
         "",
         "| part | variant | ms or s |",
         "|---|---|---:|",
@@ -180,7 +208,7 @@ def render(result: dict) -> str:
         *(f"| update micro-batch, 8 x {NEW_TOKENS} + {PROMPT} prompt | {k}: total / forward / backward | "
           f"{v['step_s']:.2f} / {v['forward_s']:.2f} / {v['backward_s']:.2f} s |" for k, v in u.items()),
     ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + paired
 
 
 if __name__ == "__main__":
