@@ -21,7 +21,7 @@ bf16 is not native the bf16 probe uses a small matrix (it runs at well under 1 G
 agl's worker sets up memory as ``harness.py`` does: ``AGL_ALLOCATOR``'s malloc (default ``auto``:
 tcmalloc or jemalloc where installed), else glibc with its mmap threshold pinned, and capped kernel
 caches (agl/memory.py). TRL's runs on ``--trl-malloc`` (default ``glibc``, untouched: as TRL runs).
-Results go to ``bench/results/grpo_vs_trl_<new tokens>[_trl_<malloc>][_no_checkpointing].{md,json}``.
+Results go to ``bench/results/grpo_vs_trl_<new tokens>[_trl_<malloc>][_no_checkpointing][_<label>].{md,json}``.
 
     PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py --new-tokens 128
     PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py --new-tokens 256
@@ -340,6 +340,7 @@ def main() -> None:
     parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                         help="activation checkpointing of the decoder layers in both systems (default on: agl's and TRL's default)")
     parser.add_argument("--only", nargs="+", choices=list(SYSTEMS), help="run only these systems")
+    parser.add_argument("--label", help="a suffix for the result files (e.g. the machine), so a run does not replace another's")
     parser.add_argument("--trl-malloc", default="glibc", choices=["glibc", "auto", *ALLOCATORS],
                         help="TRL's malloc (AGL_ALLOCATOR's names; default glibc, as TRL runs). agl's is AGL_ALLOCATOR's (default auto)")
     parser.add_argument("--worker", choices=list(SYSTEMS), help=argparse.SUPPRESS)
@@ -366,7 +367,7 @@ def main() -> None:
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = f"grpo_vs_trl_{args.new_tokens}" + ("" if args.trl_malloc == "glibc" else f"_trl_{args.trl_malloc}")
-    stem += "" if args.gradient_checkpointing else "_no_checkpointing"
+    stem += ("" if args.gradient_checkpointing else "_no_checkpointing") + (f"_{args.label}" if args.label else "")
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1))
     (RESULTS / f"{stem}.md").write_text(render(result))
     print(render(result))

@@ -25,7 +25,7 @@ def trained_policy(cfg):
     return policy
 
 
-@pytest.fixture(scope="module", params=["nf4", "none"])
+@pytest.fixture(scope="module", params=["nf4", "fp4", "none"])
 def policy(request, tiny_model_cfg):
     return trained_policy(OmegaConf.merge(tiny_model_cfg, {"quantization": request.param}))
 
@@ -84,6 +84,12 @@ def test_what_peft_would_run_otherwise_keeps_peft_forward(tiny_model_cfg):
         x = torch.randn(3, layer.in_features)
         with merged_lora_layers(policy.model):
             assert torch.equal(layer(x), layer.get_base_layer()(x))
+
+
+def test_8bit_layers_keep_peft_forward(tiny_model_cfg):
+    """bitsandbytes' int8 matmul quantizes the input too: a merged layer would compute something else."""
+    policy = load_policy(OmegaConf.merge(tiny_model_cfg, {"quantization": "int8"}), "cpu")
+    assert merged_layers(policy.model) == []
 
 
 def test_the_context_installs_and_removes_the_merged_forward(policy):
