@@ -59,11 +59,16 @@ class _MergedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
         x, lora_A, lora_B = ctx.saved_tensors
-        grad_x = (grad_y.to(ctx.dtype) @ _merged(ctx.base, lora_A, lora_B, ctx.scale, ctx.dtype)).to(x.dtype)
+        needs_x, needs_A, needs_B = ctx.needs_input_grad[:3]  # e.g. the first layer's input has no gradient to take
+        grad_x = grad_A = grad_B = None
+        if needs_x:
+            grad_x = (grad_y.to(ctx.dtype) @ _merged(ctx.base, lora_A, lora_B, ctx.scale, ctx.dtype)).to(x.dtype)
         grad_NO = grad_y.reshape(-1, grad_y.shape[-1]).to(lora_B.dtype)
         x_NI = x.reshape(-1, x.shape[-1]).to(lora_A.dtype)
-        grad_B = (grad_NO.T @ (x_NI @ lora_A.T)).mul_(ctx.scale)
-        grad_A = ((grad_NO @ lora_B).T @ x_NI).mul_(ctx.scale)
+        if needs_B:
+            grad_B = (grad_NO.T @ (x_NI @ lora_A.T)).mul_(ctx.scale)
+        if needs_A:
+            grad_A = ((grad_NO @ lora_B).T @ x_NI).mul_(ctx.scale)
         return grad_x, grad_A, grad_B, None, None, None
 
 
