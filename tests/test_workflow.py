@@ -328,7 +328,10 @@ def test_sft_checkpointing_and_token_budgets_keep_the_loss_and_gradients(tiny_mo
     plain, plain_grads = loss_and_grads()  # sft_loss_and_backward's own defaults: no replay, no token cap
     changed, changed_grads = loss_and_grads(**change)
     assert changed["loss"] == pytest.approx(plain["loss"], rel=1e-6)
-    assert all(torch.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(changed_grads, plain_grads))
+    # fp32 sums in another order: within 1e-5 of each gradient's largest entry (the gap measured up to 3.6e-6 of it;
+    # an absolute 1e-7 failed one run in several, before and after the merged LoRA layers alike)
+    for a, b in zip(changed_grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
     assert any(g.abs().sum() > 0 for g in plain_grads)
 
 
