@@ -159,8 +159,8 @@ def main() -> None:
             decode[name].append(decode_steps(models[name](), steps=10))
         for name in engine:
             engine[name].append(engine_split(policy, name))
-        names = list(update)
-        for name in names[round_ % len(names):] + names[: round_ % len(names)]:  # each variant first in turn
+        turn = round_ % max(len(update), 1)
+        for name in list(update)[turn:] + list(update)[:turn]:  # each variant first in turn
             fused, lora_merged = update_variants[name]
             update[name].append(update_step(policy, fused=fused, merged=lora_merged))
     if args.profile:
