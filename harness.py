@@ -1,6 +1,6 @@
 """agl's one entry point: `python harness.py task=gsm8k algo=grpo` (Hydra composes conf/).
 
-Hydra owns config composition, overrides, sweeps (-m) and run dirs; agl.jobs owns the work.
+Hydra owns config composition, overrides, sweeps (-m) and run dirs; agl.jobs.dispatch owns the work.
 Resume a run in place with `python harness.py resume=<run dir>`; summarize one (or a sweep)
 with `python harness.py report=<dir>`. Sweeps: `python harness.py -m algo.lr=1e-5,3e-5 ...`.
 """
@@ -28,8 +28,8 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from agl.config import check_command_line, register_configs  # noqa: E402
-from agl.launchers import check_launcher  # noqa: E402
-from agl.sweep import job_dir_name, sweep_id  # noqa: E402
+from agl.jobs.launchers import check_launcher  # noqa: E402
+from agl.report.sweep import job_dir_name, sweep_id  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
@@ -41,7 +41,7 @@ OmegaConf.register_new_resolver("agl_output_subdir", lambda resume, report, atta
 # value) and the same job subdirs, so re-running it skips finished jobs and resumes the rest.
 OmegaConf.register_new_resolver("agl_sweep_id", lambda: sweep_id(), use_cache=True)
 OmegaConf.register_new_resolver("agl_job_dir", job_dir_name)
-register_configs()  # the typed schemas conf/'s defaults lists name (agl/config.py)
+register_configs()  # the typed schemas conf/'s defaults lists name (agl/config/schema.py)
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -50,7 +50,7 @@ def main(cfg: DictConfig) -> object:
     # checkout on sys.path there too, as `python harness.py` does, so tasks/ (task=hello, ...) imports.
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    from agl.jobs import run_job
+    from agl.jobs.dispatch import run_job
 
     try:
         return run_job(cfg)

@@ -1,28 +1,20 @@
 """agl: train LLM agents with reinforcement learning on one machine.
 
 Agent code needs only ``LLM`` (the endpoint it is given), ``emit_reward``/``emit_metric``
-and, optionally, the ``@rollout`` marker. ``run`` runs the harness from Python (a notebook).
+and, optionally, the ``@rollout`` marker; an algorithm of your own reads a rollout's reward back with
+``final_reward(spans)``. ``run`` runs the harness from Python (a notebook).
 """
 from __future__ import annotations
 
-import logging
 import os
 
+from agl.policy.quiet import silence_bitsandbytes  # noqa: E402 (no torch: logging only)
 
-def silence_bitsandbytes() -> None:
-    """bitsandbytes logs a WARNING when it is imported without the optional `kernels` package (a
-    faster CPU 4-bit kernel agl never uses: see ``agl.model.keep_4bit_matmul_differentiable``):
-    "Failed to load CPU gemm_4bit_forward from kernels-community". Everything works without it,
-    so the line only confuses users. Run here, before anything in agl imports peft (which imports
-    bitsandbytes), and again by ``agl.model.quiet_loading``."""
-    logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+silence_bitsandbytes()  # before anything in agl imports peft (which imports bitsandbytes)
 
+from agl.agents.api import LLM, emit_metric, emit_reward, final_reward, rollout  # noqa: E402 (after the logger is quiet)
 
-silence_bitsandbytes()
-
-from agl.agent import LLM, emit_metric, emit_reward, rollout  # noqa: E402 (after the logger is quiet)
-
-__all__ = ["LLM", "emit_reward", "emit_metric", "rollout", "run"]
+__all__ = ["LLM", "emit_reward", "emit_metric", "final_reward", "rollout", "run"]
 
 
 def run(*overrides: str, run_dir: str | os.PathLike | None = None) -> object:

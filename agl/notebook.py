@@ -3,7 +3,7 @@
 The same run as ``python harness.py task=hello algo=grpo algo.steps=2``: the config is composed
 from the checkout's ``conf/`` with Hydra's compose API and the same overrides; the run dir is
 ``outputs/<date>/<time>_<task>_<algo>`` under the current directory, as harness.py's, or
-``run_dir=``; the job is ``agl.jobs.run_job``'s, so ``status.json``, ``error.log``, ``resume=``,
+``run_dir=``; the job is ``agl.jobs.dispatch.run_job``'s, so ``status.json``, ``error.log``, ``resume=``,
 ``report=`` and the skip of a succeeded run dir behave the same. The composed config is saved to
 ``<run dir>/.hydra/`` as Hydra saves it, so ``python harness.py resume=<run dir>`` works too.
 Returns the job's result.
@@ -42,7 +42,7 @@ def run(*overrides: str, run_dir: str | Path | None = None) -> object:
         save_config(cfg, overrides, run_dir)
         with open_dict(cfg):
             cfg.run_dir = str(run_dir)
-    from agl.jobs import run_job
+    from agl.jobs.dispatch import run_job
 
     try:
         asyncio.get_running_loop()

@@ -1,13 +1,13 @@
 """The one process: store, policy, engine, HTTP route and runners, started and stopped together.
 
-    async with Runtime(cfg, run_dir) as rt:
+    async with Runtime.of(config, run_dir) as rt:     # config: agl.config.Config (to_typed at the job's edge)
         rollouts = await rt.run_rollouts(tasks, mode="train", metadata=...)
 
 Algorithms (GRPO, eval, prompt search) talk only to ``rt.store`` and ``rt.policy``; agents
 talk only to the route. Data flows one way: task -> rollout -> spans -> samples -> update.
 
 Runners need not live in this process: once the route serves, the runtime publishes what a
-runner needs to join (``agl.attach``; its own ``runner.n`` runners are made from the same entry),
+runner needs to join (``agl.agents.attach``; its own ``runner.n`` runners are made from the same entry),
 starts ``runner.processes`` runner processes, and withdraws the entry first when it stops. With
 ``runner.n=0`` only runner processes run the rollouts; with none of either nothing would, which
 is a ConfigError rather than a wait.
@@ -19,37 +19,57 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig
 from tqdm.auto import tqdm
 
-from agl.attach import RUNNERS_KEY, runner_entry, runner_pool
-from agl.config import client_api_key
-from agl.engine import Engine
+from agl.agents.attach import RUNNERS_KEY, runner_entry, runner_pool
+from agl.agents.processes import RunnerProcesses
+from agl.agents.runner import RunnerPool
+from agl.agents.tasks import Task, load_task
+from agl.config import Config, EngineConfig, ModelConfig, RunnerConfig, ServerConfig, TaskConfig, client_api_key, config_record, typed
 from agl.errors import ConfigError
 from agl.memory import collect
-from agl.model import Policy, load_policy
-from agl.runner import RunnerPool
-from agl.runner_processes import RunnerProcesses
-from agl.server import ModelServer
+from agl.policy.engine import Engine
+from agl.policy.load import Policy, load_policy
+from agl.route.server import ModelServer
 from agl.store import SqliteStore
-from agl.tasks import Task, load_task
 from agl.types import AttemptStatus, Rollout, RolloutConfig, RolloutStatus
 
 
 class Runtime:
-    def __init__(self, cfg: DictConfig, run_dir: str | Path, policy: Policy | None = None):
-        self.cfg = cfg
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        task: TaskConfig,
+        model: ModelConfig,
+        runner: RunnerConfig | None = None,
+        engine: EngineConfig | None = None,
+        server: ServerConfig | None = None,
+        seed: int = 0,
+        device: str = "auto",
+        progress: bool = True,
+        policy: Policy | None = None,
+        record: dict | None = None,
+    ):
+        """Each part's typed section; ``record`` is the run's whole config as plain data, what jobs
+        store as ``run_info['config']`` (``Runtime.of`` fills it)."""
         self.run_dir = Path(run_dir)
-        self.processes_n = cfg.runner.processes
-        if self.processes_n and cfg.runner.per_process < 1:
-            raise ConfigError(f"runner.per_process={cfg.runner.per_process}: each runner process needs at least one runner")
-        if cfg.runner.n < 1 and self.processes_n < 1:
+        self.task_config, self.model_config = typed(TaskConfig, task), typed(ModelConfig, model)
+        self.runner_config = typed(RunnerConfig, runner or RunnerConfig())
+        self.engine_config = typed(EngineConfig, engine or EngineConfig())
+        self.server_config = typed(ServerConfig, server or ServerConfig())
+        self.seed, self.device, self.progress, self.record = seed, device, progress, record
+        runner = self.runner_config
+        self.processes_n = runner.processes
+        if self.processes_n and runner.per_process < 1:
+            raise ConfigError(f"runner.per_process={runner.per_process}: each runner process needs at least one runner")
+        if runner.n < 1 and self.processes_n < 1:
             raise ConfigError(
                 "runner.n=0 and runner.processes=0: nothing would run the rollouts. Give this job runners "
                 "(runner.n) or runner processes (runner.processes); algo=runner attach=<run dir> adds more to a running job"
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.task: Task = load_task(cfg.task)
+        self.task: Task = load_task(self.task_config)
         self._policy = policy
         self.store: SqliteStore | None = None
         self.engine: Engine | None = None
@@ -61,39 +81,51 @@ class Runtime:
         self._failure: Exception | None = None  # set by a part that fails the job from outside its task
         self._finished_uncollected = 0  # rollouts finished since the last agl.memory.collect
 
+    @classmethod
+    def of(cls, config: Config, run_dir: str | Path, policy: Policy | None = None) -> Runtime:
+        """The runtime of a job's typed config (``agl.config.to_typed``): its sections, spread."""
+        return cls(
+            run_dir, task=config.task, model=config.model, runner=config.runner, engine=config.engine, server=config.server,
+            seed=config.seed, device=config.device, progress=config.progress, policy=policy, record=config_record(config),
+        )
+
+    async def record_config(self) -> None:
+        """The run's config, into its store (``run_info['config']``: what report= shows)."""
+        if self.record is not None:
+            await self.store.set_run_info("config", self.record)
+
     @property
     def policy(self) -> Policy:
         assert self._policy is not None
         return self._policy
 
     async def __aenter__(self) -> Runtime:
-        cfg = self.cfg
         self._job_task = asyncio.current_task()  # what _fail cancels
         self.store = SqliteStore(self.run_dir / "store.sqlite")
         await self.store.__aenter__()  # opens, reaps a dead previous process's attempts, starts the watchdog
         if self._policy is None:
-            self._policy = await asyncio.to_thread(load_policy, cfg.model, cfg.device)
-        engine_options = engine_kwargs(cfg.engine, cfg.model.compute_dtype)
+            self._policy = await asyncio.to_thread(load_policy, self.model_config, self.device)
+        engine_options = engine_kwargs(self.engine_config, self.model_config.compute_dtype)
         self.engine = Engine(self.policy, **engine_options)
         await self.engine.start()
-        frozen_names = list(cfg.server.frozen_models or [])
+        frozen_names = list(self.server_config.frozen_models or [])
         if frozen_names:  # one engine on the base weights serves every frozen name; its dense copy is built on first use
             self.frozen_engine = Engine(self.policy, adapter=False, **engine_options)
             await self.frozen_engine.start()
         self.server = ModelServer(
-            self.engine, self.policy, self.store, cfg.server, seed=cfg.seed, frozen={name: self.frozen_engine for name in frozen_names},
+            self.engine, self.policy, self.store, self.server_config, seed=self.seed, frozen={name: self.frozen_engine for name in frozen_names},
         )
         await self.server.start()
         entry = runner_entry(
-            self.server.rollout_base_url("{rollout_id}", "{attempt_id}"), self.policy.name, client_api_key(cfg.server),
-            self.store.session_id, cfg.task, self.default_sampling(),
+            self.server.rollout_base_url("{rollout_id}", "{attempt_id}"), self.policy.name, client_api_key(self.server_config),
+            self.store.session_id, self.task_config, self.default_sampling(),
         )
-        self.runners = runner_pool(cfg.runner.n, self.store, entry, self.task.agent)
+        self.runners = runner_pool(self.runner_config.n, self.store, entry, self.task.agent)
         await self.runners.__aenter__()
         await self.store.set_run_info(RUNNERS_KEY, entry)
         self._published = True
         if self.processes_n:
-            self.processes = RunnerProcesses(self.processes_n, self.run_dir, cfg.runner.per_process, self._fail)
+            self.processes = RunnerProcesses(self.processes_n, self.run_dir, self.runner_config.per_process, self._fail)
             await self.processes.start()
         return self
 
@@ -129,7 +161,7 @@ class Runtime:
         return {}
 
     def rollout_config(self) -> RolloutConfig:
-        r = self.cfg.runner
+        r = self.runner_config
         return RolloutConfig(
             timeout_seconds=r.timeout_seconds,
             unresponsive_seconds=r.unresponsive_seconds,
@@ -160,7 +192,7 @@ class Runtime:
             )
         ids = [r.rollout_id for r in rollouts]
         done: dict[str, Rollout] = {}
-        with tqdm(total=len(ids), desc=desc, leave=False, dynamic_ncols=True, disable=not self.cfg.progress) as bar:
+        with tqdm(total=len(ids), desc=desc, leave=False, dynamic_ncols=True, disable=not self.progress) as bar:
             while len(done) < len(ids):
                 finished = await self.store.wait_for_rollouts([i for i in ids if i not in done], timeout=1.0)
                 for rollout in finished:
@@ -171,7 +203,7 @@ class Runtime:
 
     def _collect_after(self, finished: int) -> None:
         """Collect the agents' garbage every ``runner.collect_every`` finished rollouts (agl.memory.collect)."""
-        every = self.cfg.runner.collect_every
+        every = self.runner_config.collect_every
         self._finished_uncollected += finished
         if every > 0 and self._finished_uncollected >= every:
             self._finished_uncollected = 0
@@ -198,7 +230,7 @@ def engine_kwargs(engine: Any, compute_dtype: str) -> dict:
 
 def batch_invariant(setting: bool | str, compute_dtype: str) -> bool:
     """``engine.batch_invariant``: ``auto`` is on when ``model.compute_dtype`` is set to float32,
-    asking for runs that repeat bit for bit (see agl.engine), and off when ``auto`` merely fell
+    asking for runs that repeat bit for bit (see agl.policy.engine), and off when ``auto`` merely fell
     back to float32 on a CPU without native bf16: that fallback should not also lose batching."""
     if setting == "auto":
         return compute_dtype == "float32"

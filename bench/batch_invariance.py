@@ -17,7 +17,7 @@ import json
 import statistics
 import time
 
-from agl.engine import Engine, SamplingParams
+from agl.policy.engine import Engine, SamplingParams
 from bench.common import RESULTS, gsm8k_prompts, load_model
 
 

@@ -26,8 +26,8 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-import agl.grpo as grpo  # noqa: E402
-from agl.adapter import Sample  # noqa: E402
+import agl.train.grpo as grpo  # noqa: E402
+from agl.train.samples import Sample  # noqa: E402
 from bench.common import RESULTS, load_model  # noqa: E402
 
 PROMPT, ROWS = 150, 8

@@ -28,7 +28,7 @@ def model_config(name: str = "smollm2", compute_dtype: str | None = None) -> Any
 
     from agl.config import ModelConfig
 
-    # the yaml holds only choices over the typed schema (agl/config.py); merge them as Hydra does
+    # the yaml holds only choices over the typed schema (agl/config/schema.py); merge them as Hydra does
     choices = OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")
     choices.pop("defaults", None)
     cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), choices)
@@ -39,7 +39,7 @@ def model_config(name: str = "smollm2", compute_dtype: str | None = None) -> Any
 
 def load_model(name: str = "smollm2", compute_dtype: str | None = None) -> Any:
     """The policy of ``model_config(name, compute_dtype)``, on the CPU."""
-    from agl.model import load_policy
+    from agl.policy.load import load_policy
 
     return load_policy(model_config(name, compute_dtype), "cpu")
 
@@ -81,7 +81,7 @@ def decode_inputs(config: Any, rows: int, cached: int) -> tuple:
     ``cached`` positions of random float32 keys and values in a slot cache."""
     import torch
 
-    from agl.kv_cache import cache_from_tensors
+    from agl.policy.kv_cache import cache_from_tensors
 
     kv_heads, head_dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
     shape = (rows, kv_heads, cached, head_dim)

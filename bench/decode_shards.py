@@ -1,6 +1,6 @@
 """Does splitting a decode batch across the cores beat one batch on all of them? (It did not here.)
 
-One decode step of the embedded model (agl/decode.py's fast step, float32 merged weights, every
+One decode step of the embedded model (agl/policy/decode.py's fast step, float32 merged weights, every
 row with ``--cached`` cached positions) timed three ways, alternated, medians of ``--rounds``:
 
   - ``one batch``: all rows, torch on its usual 2 threads (MKL splits each product);
@@ -26,8 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from agl.decode import LlamaDecodeStep
-from agl.merged import MergedSampler
+from agl.policy.decode import LlamaDecodeStep
+from agl.policy.sampler_weights import MergedSampler
 from bench.common import RESULTS, decode_inputs, drop_appended, load_model, timed
 
 

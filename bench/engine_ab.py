@@ -50,8 +50,8 @@ def worker(args: argparse.Namespace) -> dict:
     import psutil
     import torch
 
-    from agl.engine import Engine, SamplingParams
-    from agl.model import load_policy
+    from agl.policy.engine import Engine, SamplingParams
+    from agl.policy.load import load_policy
     from bench.common import gsm8k_prompts, model_config
 
     policy = load_policy(model_config(args.model), "cpu")

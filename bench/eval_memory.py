@@ -2,7 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python bench/eval_memory.py [--problems 160] [--interval 5]
 
-Runs what the GRPO job's greedy evals run (``agl.evaluate.evaluate_rows``: a Runtime with its
+Runs what the GRPO job's greedy evals run (``agl.eval.evaluate.evaluate_rows``: a Runtime with its
 store, engine, HTTP route and 32 runners; the GSM8K agent with its own ``openai.OpenAI``
 client per rollout) on the first ``--problems`` test problems, set up as harness.py is. A task
 on the event loop samples, every ``--interval`` s:
@@ -40,6 +40,7 @@ import shutil
 import tempfile
 import time
 
+from agl.config import to_typed
 from agl.memory import _libc_function, mallinfo, release_freed_memory  # the cached libc lookup agl's mallopt and malloc_trim use
 from bench.common import RESULTS, ROOT
 
@@ -59,7 +60,7 @@ def file_backed_mib() -> int:
 
 
 def kv_buffer_bytes(engine) -> int:
-    """Bytes of the engine's KV buffers (agl.kv_cache.SlotLayer), every running batch and layer.
+    """Bytes of the engine's KV buffers (agl.policy.kv_cache.SlotLayer), every running batch and layer.
     Reads the engine's private batch list: the engine has no reason to publish it."""
     return sum(
         tensor.numel() * tensor.element_size()
@@ -74,7 +75,7 @@ async def measure(problems: int, interval: float, overrides: list[str]) -> dict:
     import psutil
 
     from agl.config import compose_checked
-    from agl.evaluate import evaluate_rows
+    from agl.eval.evaluate import evaluate_rows
     from agl.memory import collect, peak_rss_mib
     from agl.runtime import Runtime
 
@@ -90,7 +91,7 @@ async def measure(problems: int, interval: float, overrides: list[str]) -> dict:
     run_dir = tempfile.mkdtemp(prefix="agl-eval-memory-")
     samples: list[dict] = []
     try:
-        async with Runtime(cfg, run_dir) as rt:
+        async with Runtime.of(to_typed(cfg), run_dir) as rt:
             rows = rt.task.load(cfg.task.eval_split)[:problems]
             started = time.perf_counter()
 

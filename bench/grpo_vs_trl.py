@@ -10,7 +10,7 @@ cot prompt), and the same activation checkpointing setting (on by default in bot
   - agl: the real HTTP route, runners, SQLite store and GRPO update (``GRPOTrainer.train_step``).
   - TRL: ``trl.GRPOTrainer`` (an optional ``bench`` extra, never a runtime dependency; written
     against TRL 1.16), given the same policy object in up to two configurations: ``trl`` with agl's
-    compute dtype (``model.compute_dtype=auto``, resolved by ``agl.model.resolve_compute_dtype``) and
+    compute dtype (``model.compute_dtype=auto``, resolved by ``agl.policy.load.resolve_compute_dtype``) and
     ``trl-fp32`` with fp32 compute (bitsandbytes' default). Where agl's dtype resolves to float32
     (a CPU without native bf16) the two are the same run, so only ``trl`` runs, labelled fp32.
 
@@ -45,6 +45,7 @@ import tempfile
 import time
 from importlib import metadata
 
+from agl.config import to_typed
 from agl.memory import ALLOCATORS, active_allocator, cap_kernel_caches, peak_rss_mib, preload_allocator, release_freed_memory
 from bench.common import RESULTS, ROOT, gsm8k_prompts, load_model, matmul_probe, time_method
 
@@ -60,7 +61,7 @@ def resolved_dtype(name: str) -> str:
     """``model.compute_dtype`` as agl resolves it on this machine's CPU: ``float32`` or ``bfloat16``."""
     import torch
 
-    from agl.model import resolve_compute_dtype
+    from agl.policy.load import resolve_compute_dtype
 
     return str(resolve_compute_dtype(name, torch.device("cpu"))).removeprefix("torch.")
 
@@ -86,7 +87,7 @@ def run_agl(steps: int, new_tokens: int, gradient_checkpointing: bool) -> dict:
 
     from agl.config import register_configs
     from agl.runtime import Runtime
-    from agl.trainer import GRPOTrainer
+    from agl.train.grpo_trainer import GRPOTrainer
 
     overrides = [
         "task=gsm8k", "algo=grpo", "progress=false", f"task.max_tokens={new_tokens}", "task.eval_size=0",
@@ -103,8 +104,8 @@ def run_agl(steps: int, new_tokens: int, gradient_checkpointing: bool) -> dict:
 
     async def main() -> list[dict]:
         with tempfile.TemporaryDirectory() as run_dir:
-            async with Runtime(cfg, run_dir) as rt:
-                trainer = GRPOTrainer(rt, cfg)
+            async with Runtime.of(to_typed(cfg), run_dir) as rt:
+                trainer = GRPOTrainer(rt, to_typed(cfg).algo)
                 trainer.train_rows = gsm8k_prompts("train", POOL)
                 trainer.cursor.n_rows = len(trainer.train_rows)
                 rows = []

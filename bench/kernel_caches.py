@@ -7,7 +7,7 @@ job never runs out of new shapes: every SFT micro-batch, GRPO micro-batch and pr
 length. This bench runs a job's mix in one fresh process per capacity, capacities alternating:
 
   1. decode: ``--prompts`` GSM8K test prompts x 256 greedy tokens, 32 at a time, through ``Engine``;
-  2. ``--steps`` SFT warm-up steps (agl.sft's loss and backward, AdamW, inside ``update_memory``),
+  2. ``--steps`` SFT warm-up steps (agl.train.sft's loss and backward, AdamW, inside ``update_memory``),
      each on a fresh seeded batch of 8 demonstrations: the shapes churn;
   3. the same decode again: are the decode step's kernels still cached (tokens/s)?
 
@@ -48,8 +48,8 @@ def child(capacity: int, prompts: int, steps: int) -> dict:
     from omegaconf import OmegaConf
 
     from agl.config import SFTConfig
-    from agl.engine import Engine, SamplingParams
-    from agl.sft import render_demonstration, sft_loss_and_backward
+    from agl.policy.engine import Engine, SamplingParams
+    from agl.train.sft import render_demonstration, sft_loss_and_backward
     from bench.common import gsm8k_prompts, load_model
     from tasks.gsm8k.agent import demonstrations
 
@@ -94,7 +94,7 @@ def child(capacity: int, prompts: int, steps: int) -> dict:
     def sft_steps() -> None:
         for _ in range(steps):
             examples = [render_demonstration(policy, demos[i], sft.max_length) for i in rng.sample(range(len(demos)), sft.batch_size)]
-            with memory.update_memory():  # as agl/sft.py's update
+            with memory.update_memory():  # as agl/train/sft.py's update
                 policy.model.train()
                 optimizer.zero_grad(set_to_none=True)
                 stats = sft_loss_and_backward(policy, examples, sft.micro_batch_size, sft.micro_batch_tokens, sft.gradient_checkpointing)

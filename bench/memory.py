@@ -46,7 +46,7 @@ def child(prompts: int) -> dict:
 
     import psutil
 
-    from agl.engine import Engine, SamplingParams
+    from agl.policy.engine import Engine, SamplingParams
     from bench.common import gsm8k_prompts, load_model
 
     policy = load_model()
@@ -79,7 +79,7 @@ def child(prompts: int) -> dict:
 
 PHASE_VARIANTS: dict[str, dict] = {
     # name -> {"grpo": GRPOConfig overrides, "sft": SFTConfig overrides, "trim": malloc_trim(0) after each phase (as the
-    # trainers now do after an update), "head_chunk_bytes": agl.logprobs.CHUNK_BYTES (1 << 62: the whole [N, V] at once, as before),
+    # trainers now do after an update), "head_chunk_bytes": agl.train.logprobs.CHUNK_BYTES (1 << 62: the whole [N, V] at once, as before),
     # "update_mmap_threshold": agl.memory.UPDATE_MMAP_THRESHOLD_BYTES (1 << 20: updates take their blocks under 1 MiB from heaps, as before)}
     "before": {"grpo": {"gradient_checkpointing": False}, "sft": {"gradient_checkpointing": False}, "trim": False, "head_chunk_bytes": 1 << 62,
                "update_mmap_threshold": 1 << 20},
@@ -191,9 +191,9 @@ def phases_child(variant: dict, decode_prompts: int, decode_batch: int) -> dict:
         release_freed_memory()  # as harness.py does, before torch allocates
     import dataclasses
 
-    import agl.logprobs
+    import agl.train.logprobs
 
-    agl.logprobs.CHUNK_BYTES = variant.get("head_chunk_bytes", agl.logprobs.CHUNK_BYTES)
+    agl.train.logprobs.CHUNK_BYTES = variant.get("head_chunk_bytes", agl.train.logprobs.CHUNK_BYTES)
     import agl.memory
 
     agl.memory.UPDATE_MMAP_THRESHOLD_BYTES = variant.get("update_mmap_threshold", agl.memory.UPDATE_MMAP_THRESHOLD_BYTES)
@@ -202,11 +202,11 @@ def phases_child(variant: dict, decode_prompts: int, decode_batch: int) -> dict:
 
     import torch
 
-    from agl.adapter import Sample
     from agl.config import GRPOConfig, SFTConfig
-    from agl.engine import Engine, SamplingParams
-    from agl.grpo import GRPOUpdate, advantages
-    from agl.sft import render_demonstration, sft_loss_and_backward
+    from agl.policy.engine import Engine, SamplingParams
+    from agl.train.grpo import GRPOUpdate, advantages
+    from agl.train.samples import Sample
+    from agl.train.sft import render_demonstration, sft_loss_and_backward
     from bench.common import gsm8k_prompts, load_model
     from tasks.gsm8k.agent import demonstrations
 
@@ -273,7 +273,7 @@ def phases_child(variant: dict, decode_prompts: int, decode_batch: int) -> dict:
         saved = SavedTensors()
 
         def sft_step() -> dict:
-            with agl.memory.update_memory():  # as agl/sft.py's update
+            with agl.memory.update_memory():  # as agl/train/sft.py's update
                 policy.model.train()
                 sft_optimizer.zero_grad(set_to_none=True)
                 with saved.hooks():
@@ -310,7 +310,7 @@ def phases_child(variant: dict, decode_prompts: int, decode_batch: int) -> dict:
 
         metrics = phase("GRPO update", "", grpo_update)
         opt = tensor_bytes(t for s in update.optimizer.state.values() for t in s.values() if torch.is_tensor(t))
-        from agl.grpo import plan_micro_batches
+        from agl.train.micro_batches import plan_micro_batches
 
         chunks = plan_micro_batches(samples, grpo.micro_batch_size, grpo.micro_batch_tokens)
         most = max(sum(len(samples[i].completion_ids) for i in c) for c in chunks)

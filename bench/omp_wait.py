@@ -9,7 +9,7 @@ read it).
 
 Each setting runs in its own process (the runtime reads the environment once), alternated over
 rounds; medians. Per setting:
-  - ``decode``: one fast decode step (agl/decode.py), batch 32, 300 cached positions, in ms;
+  - ``decode``: one fast decode step (agl/policy/decode.py), batch 32, 300 cached positions, in ms;
   - ``update``: one GRPO micro-batch through the NF4 + LoRA model (bitsandbytes' dequantize and
     torch's matmuls, forward + backward), 8 x 128 tokens on a 150-token prompt, in s;
   - ``route``: 32 ``AsyncOpenAI`` clients through the HTTP route, 64 GSM8K requests x 64 greedy
@@ -44,10 +44,10 @@ def child() -> None:
 
     import torch
 
-    from agl.decode import LlamaDecodeStep
-    from agl.engine import Engine
-    from agl.merged import MergedSampler
-    from agl.server import ModelServer
+    from agl.policy.decode import LlamaDecodeStep
+    from agl.policy.engine import Engine
+    from agl.policy.sampler_weights import MergedSampler
+    from agl.route.server import ModelServer
     from bench.common import decode_inputs, drop_appended, load_model, timed
     from bench.profile_step import update_step
     from bench.serve import gsm8k_messages, route_run

@@ -1,5 +1,5 @@
 """A sweep's jobs compared on the same eval tasks: each job's final greedy eval against the base
-model and against one reference job, by McNemar's exact test (agl.stats), with Wilson intervals.
+model and against one reference job, by McNemar's exact test (agl.eval.stats), with Wilson intervals.
 
     PYTHONPATH=. .venv/bin/python bench/paired_sweep.py <sweep dir> --vary algo.loss_type --reference grpo \
         --score says_identity --score reward --out bench/results/loss_sweep.md
@@ -16,10 +16,10 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from agl.evaluate import rollout_scores
-from agl.stats import paired_change, wilson_interval
+from agl.eval.evaluate import rollout_scores
+from agl.eval.stats import paired_change, wilson_interval
+from agl.report.tables import markdown_table
 from agl.store import SqliteStore
-from agl.tables import markdown_table
 
 
 async def final_and_base(job: Path, names: list[str]) -> tuple[dict, dict, list[float]]:

@@ -7,7 +7,7 @@ Three measurements on the embedded model (NF4 + fresh LoRA r16, compute dtype ``
   - engine: 4 GSM8K prompts x 8 samples x 128 tokens through ``Engine``, split into model
     forward and token sampling;
   - update: one GRPO micro-batch (8 x 128 completion tokens sharing a 150-token prompt),
-    forward + backward: the fused log-prob head with the LoRA layers merged (agl/merged_lora.py)
+    forward + backward: the fused log-prob head with the LoRA layers merged (agl/train/merged_lora.py)
     and through peft's own LoRA forward, and the model's own logits.
 
 Variants alternate within each measurement (medians), so machine noise hits both alike.
@@ -39,7 +39,7 @@ BATCH, PROMPT, NEW_TOKENS = 32, 150, 128
 
 def decode_steps(model, steps: int, profile: bool = False) -> float:
     """Median ms of one batch-32 decode step after a 150-token prefill."""
-    from agl.kv_cache import slot_cache
+    from agl.policy.kv_cache import slot_cache
 
     gen = torch.Generator().manual_seed(0)
     cache = slot_cache()
@@ -70,7 +70,7 @@ def decode_steps(model, steps: int, profile: bool = False) -> float:
 
 def engine_split(policy, weights: str) -> dict:
     """4 GSM8K prompts x 8 samples x 128 tokens through the engine: forward vs sampling seconds."""
-    from agl.engine import Engine, SamplingParams
+    from agl.policy.engine import Engine, SamplingParams
 
     prompts = [policy.render_chat([{"role": "user", "content": row["prompt_text"]}]) for row in gsm8k_prompts("train", 4)]
     timings: dict[str, float] = defaultdict(float)
@@ -96,8 +96,8 @@ def update_step(policy, fused: bool, merged: bool | None = None, profile: bool =
     ``merged``: LoRA layers merged in the update or not (None: the policy's ``train_merged``)."""
     import dataclasses
 
-    import agl.grpo as grpo
-    from agl.adapter import Sample
+    import agl.train.grpo as grpo
+    from agl.train.samples import Sample
 
     if merged is not None:
         policy = dataclasses.replace(policy, train_merged=merged)
@@ -138,7 +138,7 @@ def main() -> None:
     parser.add_argument("--parts", nargs="+", choices=["decode", "engine", "update"], default=["decode", "engine", "update"])
     args = parser.parse_args()
 
-    from agl.merged import MergedSampler
+    from agl.policy.sampler_weights import MergedSampler
 
     policy = load_model()
     policy.model.eval()

@@ -3,7 +3,7 @@
 Route: ``clients`` concurrent ``AsyncOpenAI`` clients send GSM8K chat requests through the
 HTTP server (engine + route in this process), 256 new tokens each, forced with the
 ``ignore_eos`` extension and greedy decoding. The engine's decode step alternates between
-``engine.decode`` variants (``model``: the model's forward; ``fast``: agl/decode.py) within each
+``engine.decode`` variants (``model``: the model's forward; ``fast``: agl/policy/decode.py) within each
 round, same engine, same merged weights, so the machine's other load hits both alike.
 
 Limits: a memory probe (GB/s reading a 1 GiB float32 tensor) and a matmul probe (GFLOP/s of a
@@ -44,10 +44,10 @@ from pathlib import Path
 import openai
 import torch
 
-from agl.engine import Engine
 from agl.memory import peak_rss_mib
-from agl.model import load_policy
-from agl.server import ModelServer
+from agl.policy.engine import Engine
+from agl.policy.load import load_policy
+from agl.route.server import ModelServer
 from bench.common import RESULTS, gsm8k_prompts, matmul_probe, model_config, timed
 
 
@@ -106,7 +106,7 @@ def memory_probe(gib: float = 1.0, rounds: int = 5) -> float:
 
 def step_costs(engine: Engine) -> dict:
     """What one decode step must read and compute, as functions of its rows and cache width."""
-    from agl.merged import DenseLinear
+    from agl.policy.sampler_weights import DenseLinear
 
     model = engine.merged.model()
     config = model.config
@@ -148,7 +148,7 @@ async def main(args: argparse.Namespace) -> dict:
     policy.model.eval()
     engine = Engine(policy, max_batch_size=max(64, max(args.clients)))
     fast_step = engine.decode_step
-    assert fast_step is not None or "fast" not in args.decode, "agl.decode does not apply to this model"
+    assert fast_step is not None or "fast" not in args.decode, "agl.policy.decode does not apply to this model"
     steps: list[tuple[int, int]] = []
     decode = engine._decode
 

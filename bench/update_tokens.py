@@ -11,7 +11,7 @@ does not depend on them.
 Planners, run on the same samples:
   - ``old``: the planner before token budgets (``old_plan``, copied here): each group in one
     micro-batch of ``micro_batch_size`` 8, every completion padded to the group's longest;
-  - ``new``: ``agl.grpo.plan_micro_batches`` with the defaults (conf/algo/grpo.yaml): sorted by
+  - ``new``: ``agl.train.micro_batches.plan_micro_batches`` with the defaults (conf/algo/grpo.yaml): sorted by
     length and cut where padding costs more than a pass, at most ``micro_batch_tokens`` per pass.
 
 Per step: wall time, tokens run (real and padded), the loss (old and new must agree), and the
@@ -52,7 +52,7 @@ MIXES = {"long": 230, "short": 75}  # target mean completion length
 
 
 def old_plan(samples: Sequence, size: int, tokens: int | None = None) -> list[list[int]]:
-    """agl.grpo.plan_micro_batches before token budgets (commit a1b3332): groups whole, in chunks of ``size``."""
+    """agl.train.micro_batches.plan_micro_batches before token budgets (commit a1b3332): groups whole, in chunks of ``size``."""
     by_prompt: dict[tuple[int, ...], list[int]] = defaultdict(list)
     for i, sample in enumerate(samples):
         by_prompt[tuple(sample.prompt_ids)].append(i)
@@ -76,7 +76,7 @@ def completion_lengths(mean: int, seed: int) -> list[int]:
 
 
 def make_samples(policy, mix: str) -> list:
-    from agl.adapter import Sample
+    from agl.train.samples import Sample
 
     rows = [r for r in gsm8k_prompts("train", 400) if 150 <= len(policy.render_chat([{"role": "user", "content": r["prompt_text"]}])) <= 250][:B]
     prompts = [policy.render_chat([{"role": "user", "content": r["prompt_text"]}]) for r in rows]
@@ -129,7 +129,7 @@ class PeakRSS:
 
 
 def run_step(policy, samples: list, planner: str) -> dict:
-    import agl.grpo as grpo
+    import agl.train.grpo as grpo
 
     config = grpo.GRPOConfig(lr=0.0, loss_type="dapo", epsilon_high=None)  # the defaults: micro_batch_size, micro_batch_tokens as in grpo.yaml
     plan_fn = grpo.plan_micro_batches

@@ -12,7 +12,7 @@ from store_helpers import FakeClock
 from agl.config import register_configs
 from agl.store import SqliteStore
 
-register_configs()  # conf/ names the typed schemas (agl/config.py): tests compose it with Hydra's compose API
+register_configs()  # conf/ names the typed schemas (agl/config/schema.py): tests compose it with Hydra's compose API
 
 # The tiny random-weight Llama with the real SmolLM2 tokenizer (conf/model/tiny.yaml, resolved:
 # that file uses Hydra defaults, so it cannot be loaded on its own).

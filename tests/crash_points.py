@@ -44,7 +44,7 @@ def _install(point: str) -> None:
     if point in ("", "rollout"):
         return
     if point == "update":
-        from agl.grpo import GRPOUpdate
+        from agl.train.grpo import GRPOUpdate
 
         _die_after(GRPOUpdate, "step")
     elif point == "checkpoint":

@@ -1,5 +1,5 @@
 # my_algo.py: python harness.py task=hello algo=custom algo.fn=my_algo:find_best_prompt
-from agl.adapter import final_reward
+from agl import final_reward
 
 
 async def find_best_prompt(store, task, rows, tasks_per_prompt: int = 4) -> dict:

@@ -2,7 +2,7 @@
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl.adapter import final_reward, spans_to_samples
+from agl.train.samples import final_reward, spans_to_samples
 from agl.types import Span
 
 tokens = st.lists(st.integers(0, 1000), min_size=1, max_size=12)

@@ -1,4 +1,4 @@
-"""Runner processes joining a live run (agl/attach.py, runner.processes): the same run as with
+"""Runner processes joining a live run (agl/agents/attach.py, runner.processes): the same run as with
 in-process runners, and stopping one of them (kill -9 or Ctrl-C), or killing the job under them,
 costs no rollout anything.
 

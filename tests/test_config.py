@@ -1,4 +1,4 @@
-"""The typed configs (agl/config.py) are the one home of defaults; a mistyped override fails naming its key."""
+"""The typed configs (agl/config/schema.py) are the one home of defaults; a mistyped override fails naming its key."""
 import dataclasses
 import subprocess
 import sys
@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from agl.config import ALGO_SCHEMAS, EngineConfig, GRPOConfig, SFTConfig, compose_checked, typed
 from agl.errors import ConfigError
-from agl.jobs import resumed_config
+from agl.jobs.dispatch import resumed_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")

@@ -19,8 +19,8 @@ from omegaconf import OmegaConf
 
 import agl
 import agl.notebook
-from agl.custom_algo import PROVIDED, load_algorithm
 from agl.errors import ConfigError
+from agl.jobs.custom import PROVIDED, load_algorithm
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny", "progress=false", "runner.n=8", "task.max_tokens=6"]
@@ -190,6 +190,6 @@ def test_agl_run_picks_harness_run_dirs_and_records_failures(tmp_path, monkeypat
 
 
 def test_import_agl_stays_light():
-    code = "import sys, agl; print(sorted(m for m in ('torch', 'hydra', 'agl.jobs') if m in sys.modules))"
+    code = "import sys, agl; print(sorted(m for m in ('torch', 'hydra', 'agl.jobs.dispatch') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "[]", out.stderr

@@ -1,15 +1,15 @@
-"""agl.decode's step computes what the model's forward computes, and the engine samples the same with it."""
+"""agl.policy.decode's step computes what the model's forward computes, and the engine samples the same with it."""
 import asyncio
 
 import pytest
 import torch
 from test_merged import optimizer_step
 
-from agl.decode import decode_step
-from agl.engine import Engine, SamplingParams
-from agl.kv_cache import slot_cache
-from agl.merged import MergedSampler
-from agl.model import load_policy
+from agl.policy.decode import decode_step
+from agl.policy.engine import Engine, SamplingParams
+from agl.policy.kv_cache import slot_cache
+from agl.policy.load import load_policy
+from agl.policy.sampler_weights import MergedSampler
 
 
 @pytest.fixture()

@@ -1,7 +1,7 @@
 """Continuous batching changes when a sequence runs, never what it samples.
 
 Requests arrive at scattered times with scattered lengths into an engine with few slots, so
-rows retire and others take their slots mid-batch (agl.kv_cache's slot moves, the merge's
+rows retire and others take their slots mid-batch (agl.policy.kv_cache's slot moves, the merge's
 left padding). Every sequence must get the tokens and log-probs it gets decoded alone. The
 cache's buffers get no spare room here, so they grow and compact as often as they can.
 """
@@ -12,9 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl.engine import Engine, SamplingParams
-from agl.kv_cache import SlotLayer
-from agl.model import load_policy
+from agl.policy.engine import Engine, SamplingParams
+from agl.policy.kv_cache import SlotLayer
+from agl.policy.load import load_policy
 
 TEXTS = ("Hi", "What is 2 + 2? Think step by step.", "Name a colour", "Write a long sentence about the sea and ships.")
 LONGEST = 24

@@ -1,8 +1,8 @@
 """Eval summaries and the trainer's resumable task cursor."""
 import pytest
 
-from agl.checkpoint import TaskCursor
-from agl.evaluate import summarize
+from agl.eval.evaluate import summarize
+from agl.train.resume import TaskCursor
 
 
 def test_summary_counts_failed_rollouts_as_zero_and_averages_metrics():
@@ -60,7 +60,7 @@ class StoreOnlyRuntime:
 
 @pytest.mark.asyncio
 async def test_evaluate_rows_reuses_the_rollouts_of_its_tag_found_by_a_metadata_query(store):
-    from agl.evaluate import evaluate_rows
+    from agl.eval.evaluate import evaluate_rows
 
     rt = StoreOnlyRuntime(store)
     rows = [{"id": "t1"}, {"id": "t2"}]
@@ -79,7 +79,7 @@ async def test_evaluate_rows_reuses_the_rollouts_of_its_tag_found_by_a_metadata_
 def test_tables_doctests():
     import doctest
 
-    import agl.tables
+    import agl.report.tables
 
-    result = doctest.testmod(agl.tables)
+    result = doctest.testmod(agl.report.tables)
     assert result.attempted > 0 and result.failed == 0

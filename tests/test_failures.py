@@ -10,9 +10,10 @@ import pytest
 from failing_agents import ERROR
 from hydra import compose, initialize_config_dir
 
-from agl.eval_job import run_eval
-from agl.failures import Failures, RolloutsFailed, most_common
-from agl.trainer import train
+from agl.config import to_typed
+from agl.eval.failures import Failures, RolloutsFailed, most_common
+from agl.jobs.eval import run_eval
+from agl.jobs.grpo import train
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny", "progress=false", "task=custom", "task.data=failing_agents:load", "task.eval_size=4", "task.max_tokens=4"]
@@ -53,4 +54,4 @@ async def test_a_training_step_whose_every_rollout_fails_fails_the_job(tmp_path)
     cfg = compose_cfg(TINY + ["task.agent=failing_agents:fails_in_training", "task.eval_size=2", "algo=grpo", "algo.steps=2",
                               "algo.batch_size=2", "algo.group_size=2", "algo.micro_batch_size=2", "runner.max_attempts=1"])
     with pytest.raises(RolloutsFailed, match="4 of 4 rollouts of training step 0 failed; the most common error \\(4 of 4\\): RuntimeError: training rollouts always fail"):
-        await train(cfg, tmp_path)
+        await train(to_typed(cfg), tmp_path)

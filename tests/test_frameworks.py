@@ -28,8 +28,8 @@ from omegaconf import OmegaConf
 from test_server import EOS, Served, forced_tokens, served  # noqa: F401  (served: the route on the tiny policy)
 
 import agl
-from agl.adapter import spans_to_samples
-from agl.chat import decode
+from agl.route.rendering import decode
+from agl.train.samples import spans_to_samples
 
 QUESTION = "What is 1 + 2?"
 # Scripted replies: a leading space, a double space, accents, an emoji, a newline: text a framework

@@ -5,11 +5,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from agl.adapter import Sample
-from agl.config import compose_checked
-from agl.grpo import GRPOConfig, GRPOUpdate, TokenBatch, advantages, completion_logprobs, drop_groups, plan_micro_batches
-from agl.loss import LOSS_TYPES
-from agl.model import load_policy
+from agl.config import GRPOConfig, compose_checked
+from agl.policy.load import load_policy
+from agl.train.forward import completion_logprobs
+from agl.train.grpo import GRPOUpdate, advantages, drop_groups
+from agl.train.loss import LOSS_TYPES
+from agl.train.micro_batches import TokenBatch, plan_micro_batches
+from agl.train.samples import Sample
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +171,7 @@ def test_the_planner_covers_every_sample_once_within_its_caps_whatever_the_input
 
 
 def test_the_planner_cuts_a_group_by_length_only_where_padding_outweighs_a_pass():
-    from agl.grpo import PASS_OVERHEAD_TOKENS
+    from agl.train.micro_batches import PASS_OVERHEAD_TOKENS
 
     assert 30 < PASS_OVERHEAD_TOKENS < 1000  # what the cases below assume
     # 2 long + 6 short: one pass would pad the short ones to 250 (~1,300 padded tokens); a second pass costs less
@@ -207,12 +209,12 @@ def test_a_group_cut_into_micro_batches_gives_the_loss_and_gradients_of_one_pass
     """Groups cut into parts (the shared prompt run once, its gradient summed over the parts)
     against the same groups in one pass each (the planner before token budgets), with the
     recomputed old log-probs and the reference pass (beta) going through the cut too."""
-    import agl.grpo
+    import agl.train.forward
 
     if output != "fused":
-        monkeypatch.setattr(agl.grpo, "fused_head", lambda policy: None)
+        monkeypatch.setattr(agl.train.forward, "fused_head", lambda policy: None)
     if output == "model logits":
-        monkeypatch.setattr(agl.grpo, "_head_gives_logits", lambda policy: False)
+        monkeypatch.setattr(agl.train.forward, "_head_gives_logits", lambda policy: False)
     samples, advs = two_groups_and_a_single(seed=3)
     config = dict(loss_type="grpo", beta=0.1, old_logprobs="recompute")
     whole_plan = plan_micro_batches(samples)
@@ -238,15 +240,15 @@ def test_micro_batch_keys_default_alike_in_grpo_config_and_the_yaml():
 
 @pytest.mark.parametrize("micro_batch_tokens", [None, 40])
 def test_gradient_checkpointing_gives_the_loss_and_gradients_of_kept_activations(policy, micro_batch_tokens, monkeypatch):
-    """Decoder layers replayed in backward (agl/checkpointing.py) against activations kept: the same
+    """Decoder layers replayed in backward (agl/train/activation_checkpointing.py) against activations kept: the same
     loss, metrics and LoRA gradients, for groups in one pass each (the prompt's KV cache built inside
     the checkpointed layers) and for groups cut into parts (completions run against the prompt's cache)."""
-    import agl.checkpointing
-    from agl.checkpointing import decoder_layers
+    import agl.train.activation_checkpointing
+    from agl.train.activation_checkpointing import decoder_layers
 
     replays = []
-    real_checkpoint = agl.checkpointing.checkpoint
-    monkeypatch.setattr(agl.checkpointing, "checkpoint", lambda *a, **k: replays.append(1) or real_checkpoint(*a, **k))
+    real_checkpoint = agl.train.activation_checkpointing.checkpoint
+    monkeypatch.setattr(agl.train.activation_checkpointing, "checkpoint", lambda *a, **k: replays.append(1) or real_checkpoint(*a, **k))
     samples, advs = two_groups_and_a_single(seed=4)
     config = dict(loss_type="grpo", micro_batch_tokens=micro_batch_tokens)
     kept, kept_grads = lora_grads_after_step(policy, samples, advs, gradient_checkpointing=False, **config)

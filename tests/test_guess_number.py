@@ -1,6 +1,6 @@
 """The guess-number task's demonstrations: binary search, played by the agent's own rules."""
-from agl.model import load_policy
-from agl.sft import render_demonstration
+from agl.policy.load import load_policy
+from agl.train.sft import render_demonstration
 from tasks.guess_number.agent import FIRST, SYSTEM, demonstrations, feedback, load
 
 

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from agl.errors import ConfigError
-from agl.model import EMBEDDED_INSTALL, EMBEDDED_PACKAGE, QUANTIZATIONS, find_embedded_gguf, resolve_model_path
+from agl.policy.load import QUANTIZATIONS
+from agl.policy.weights import EMBEDDED_INSTALL, EMBEDDED_PACKAGE, find_embedded_gguf, resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]
 NOISE = ("Traceback", "kernels-community", "Loading weights", "FutureWarning")
@@ -122,7 +123,7 @@ def test_unknown_quantization_lists_valid_ones(tmp_path):
 
 
 def test_override_typo_is_one_line_naming_the_key(tmp_path):
-    result = harness(tmp_path, "modle.path=x")  # checked against agl/config.py's schemas before Hydra runs
+    result = harness(tmp_path, "modle.path=x")  # checked against agl/config/schema.py's schemas before Hydra runs
     assert_user_error(result, "error: modle: no such key in Config")
     assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl.kv_cache import SlotLayer, slot_moves
+from agl.policy.kv_cache import SlotLayer, slot_moves
 
 HEADS, DIM = 2, 3
 

@@ -19,8 +19,8 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from agl.errors import ConfigError
-from agl.launchers import BASIC_SWEEPER, auto_threads, launcher_names, sweep_batch_size, thread_count, usable_cores
-from agl.sweep import write_status
+from agl.jobs.launchers import BASIC_SWEEPER, auto_threads, launcher_names, sweep_batch_size, thread_count, usable_cores
+from agl.report.status import write_status
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"

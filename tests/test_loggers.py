@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from agl.loggers import scalars
-from agl.sweep import write_status
+from agl.report.loggers import scalars
+from agl.report.status import write_status
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [

@@ -4,7 +4,7 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from agl.logprobs import token_logprobs
+from agl.train.logprobs import token_logprobs
 
 
 def reference(hidden, weight, tokens, temperature):
@@ -60,9 +60,9 @@ def test_a_second_backward_through_the_same_graph_is_refused():
 
 
 def test_the_forward_in_blocks_of_rows_gives_what_one_block_gives(monkeypatch):
-    """The forward's logits are made a block of rows at a time (agl.logprobs.CHUNK_BYTES): the same
+    """The forward's logits are made a block of rows at a time (agl.train.logprobs.CHUNK_BYTES): the same
     log-probs, entropies and gradients as all rows at once, here in blocks of 3 rows and a last of 1."""
-    import agl.logprobs
+    import agl.train.logprobs
 
     torch.manual_seed(5)
     hidden, weight = torch.randn(10, 16), torch.randn(50, 16)
@@ -75,7 +75,7 @@ def test_the_forward_in_blocks_of_rows_gives_what_one_block_gives(monkeypatch):
         return logp.detach(), entropy, h.grad, w.grad
 
     whole = run()
-    monkeypatch.setattr(agl.logprobs, "CHUNK_BYTES", 3 * 50 * 4)
+    monkeypatch.setattr(agl.train.logprobs, "CHUNK_BYTES", 3 * 50 * 4)
     blocks = run()
     for a, b in zip(blocks, whole):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)  # BLAS may sum a block of rows in another order

@@ -14,12 +14,17 @@ from omegaconf import OmegaConf
 from peft import LoraConfig
 from safetensors import safe_open
 
-from agl.adapter import Sample
-from agl.checkpoint import adapter_bytes, load_adapter_bytes
-from agl.engine import Engine, SamplingParams
-from agl.grpo import GRPOConfig, GRPOUpdate, TokenBatch, completion_logprobs, fused_head
-from agl.merged import MergedSampler
-from agl.model import load_policy, lora_config, resolve_model_path, tied_lora_aliases, with_targets
+from agl.config import GRPOConfig
+from agl.policy.engine import Engine, SamplingParams
+from agl.policy.load import load_policy
+from agl.policy.lora import lora_config, tied_lora_aliases, with_targets
+from agl.policy.sampler_weights import MergedSampler
+from agl.policy.weights import resolve_model_path
+from agl.train.forward import completion_logprobs, fused_head
+from agl.train.grpo import GRPOUpdate
+from agl.train.micro_batches import TokenBatch
+from agl.train.resume import adapter_bytes, load_adapter_bytes
+from agl.train.samples import Sample
 
 PROMPT = list(range(100, 120))
 IDS = torch.tensor([PROMPT + [5, 6, 7]])  # tokens the training steps saw: their embedding rows have a LoRA delta

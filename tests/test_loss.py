@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from agl.loss import LOSS_TYPES, group_advantages, policy_loss, token_weights
+from agl.train.loss import LOSS_TYPES, group_advantages, policy_loss, token_weights
 
 
 def close(actual, expected):

@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from agl.merged import DenseLinear, MergedSampler
-from agl.model import load_policy
+from agl.policy.load import load_policy
+from agl.policy.sampler_weights import DenseLinear, MergedSampler
 
 
 @pytest.fixture()

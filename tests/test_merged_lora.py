@@ -1,16 +1,17 @@
-"""LoRA layers run merged in the update (agl/merged_lora.py): peft's values and gradients, the sampler's weights."""
+"""LoRA layers run merged in the update (agl/train/merged_lora.py): peft's values and gradients, the sampler's weights."""
 import dataclasses
 
 import pytest
 import torch
 from omegaconf import OmegaConf
 
+from agl.config import GRPOConfig
 from agl.errors import ConfigError
-from agl.grpo import GRPOConfig, GRPOUpdate
-from agl.merged import dense_linear
-from agl.merged_lora import _merged, _plain_adapter, merged_layers, merged_lora_layers, resolve
-from agl.model import load_policy
-from agl.sft import sft_loss_and_backward
+from agl.policy.load import load_policy
+from agl.policy.sampler_weights import dense_linear
+from agl.train.grpo import GRPOUpdate
+from agl.train.merged_lora import _merged, _plain_adapter, merged_layers, merged_lora_layers, resolve
+from agl.train.sft import sft_loss_and_backward
 from tests.test_grpo_update import lora_grads, two_groups_and_a_single
 
 

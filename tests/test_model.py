@@ -1,4 +1,4 @@
-"""The policy model (agl/model.py): conversion cache, the 4-bit + LoRA model, loading variants.
+"""The policy model (agl/policy/model.py): conversion cache, the 4-bit + LoRA model, loading variants.
 
 Three parts:
   1. the conversion cache: reuse, rebuild after damage, atomicity when a build is interrupted
@@ -26,18 +26,18 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import agl.model as agl_model
+import agl.policy.model as agl_model
 from agl.errors import ConfigError
-from agl.model import (
+from agl.policy.load import load_policy
+from agl.policy.lora import find_adapter_dir
+from agl.policy.weights import (
     EMBEDDED_GGUF,
     MANIFEST,
     cache_is_complete,
     cached_model_dir,
     convert_embedded,
     file_sha256,
-    find_adapter_dir,
     find_embedded_gguf,
-    load_policy,
     resolve_model_path,
     write_cache_atomically,
 )
@@ -240,7 +240,7 @@ def test_builder_losing_the_rename_race_accepts_the_winners_cache(tmp_path, tiny
 KILLED_BUILD = r"""
 import os, shutil, sys, time
 from pathlib import Path
-import agl.model as m
+import agl.policy.model as m
 
 cache, source, phase, ready = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 from test_harness import harness
 
-from agl.adapter import spans_to_samples
-from agl.engine import Engine
-from agl.model import load_policy
-from agl.server import ModelServer
+from agl.policy.engine import Engine
+from agl.policy.load import load_policy
+from agl.route.server import ModelServer
 from agl.store import SqliteStore
+from agl.train.samples import spans_to_samples
 from tasks.q20.agent import FIRST, demonstrations, guessed, is_secret, load, search
 from tasks.q20.nouns import NOUNS
 

@@ -22,13 +22,13 @@ from test_harness import harness
 from test_server import EOS, Served, forced_tokens
 
 import agl
-from agl.adapter import spans_to_samples
-from agl.agent import RolloutContext, call_agent
-from agl.chat import decode
-from agl.engine import Engine
-from agl.model import load_policy
-from agl.server import ModelServer
+from agl.agents.api import RolloutContext, call_agent
+from agl.policy.engine import Engine
+from agl.policy.load import load_policy
+from agl.route.rendering import decode
+from agl.route.server import ModelServer
 from agl.store import SqliteStore
+from agl.train.samples import spans_to_samples
 
 if "crewai" in os.environ.get("AGL_REQUIRE_FRAMEWORKS", "").split():
     importlib.import_module("crewai")  # required here: missing fails, not skips

@@ -11,13 +11,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_server import EOS, MODEL, TIMEOUT, forced_tokens, reply_ids, served  # noqa: F401  (served: the route fixture)
 
-from agl import responses
-from agl.adapter import spans_to_samples
-from agl.chat import ToolCallParser, decode
-from agl.openai_schema import APIError, parse_request
-from agl.openai_wire import OutputBuilder
-from agl.recording import ResponseStore, StoredResponse
-from agl.responses import ResponsesRequest, parse_items, to_chat_request
+from agl.route import responses_api as responses
+from agl.route.recording import ResponseStore, StoredResponse
+from agl.route.rendering import decode
+from agl.route.requests import APIError, parse_request
+from agl.route.response_models import OutputBuilder
+from agl.route.responses_api import ResponsesRequest, parse_items, to_chat_request
+from agl.route.tool_calls import ToolCallParser
+from agl.train.samples import spans_to_samples
 
 ADD = {
     "type": "function",

@@ -5,7 +5,7 @@ import time
 import pytest
 
 import agl
-from agl.runner import Hook, Runner, RunnerPool
+from agl.agents.runner import Hook, Runner, RunnerPool
 from agl.store import SqliteStore
 from agl.types import RolloutConfig
 

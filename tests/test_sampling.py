@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl.engine import draw
+from agl.policy.engine import draw
 
 
 @given(

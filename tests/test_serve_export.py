@@ -8,7 +8,7 @@ GGUF through ``gguf_file=``) and compared with the agl policy on a few chat prom
   - against the same adapter on an unquantized policy (``model.quantization=none``): the export
     must match to 1e-4 in every logit (measured <1e-6: the merge itself);
   - against the NF4 policy it trained as: within 0.25 (measured 0.12 on logits up to ~2: the
-    base's NF4 rounding, which the full-precision export does not have; agl.export says more);
+    base's NF4 rounding, which the full-precision export does not have; agl.jobs.export says more);
   - the GGUF against the HF dir: 1e-5 (measured 0: the same float32 weights, q/k rows permuted and back);
   - bfloat16: GGUF and HF dir equal (1e-5), within 0.05 of the unquantized policy (measured ~0.008);
   - the exported tokenizers (HF dir and GGUF) render every prompt to the policy's exact ids.
@@ -32,8 +32,8 @@ from omegaconf import OmegaConf
 
 import agl
 from agl.errors import ConfigError
-from agl.gguf_export import check_gguf_support
-from agl.model import load_policy
+from agl.jobs.gguf import check_gguf_support
+from agl.policy.load import load_policy
 from agl.store import SqliteStore
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,12 +18,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agl.adapter import spans_to_samples
-from agl.chat import History, decode
-from agl.engine import Engine
-from agl.model import load_policy
-from agl.server import ModelServer
+from agl.policy.engine import Engine
+from agl.policy.load import load_policy
+from agl.route.rendering import History, decode
+from agl.route.server import ModelServer
 from agl.store import SqliteStore
+from agl.train.samples import spans_to_samples
 from agl.types import Span
 
 EOS = 2

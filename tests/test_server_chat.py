@@ -7,10 +7,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl import tool_prompt
-from agl.chat import History, OutputAssembler, ToolCallParser, Turn, decode, parse_tool_calls, render_prompt, template_messages
-from agl.model import Policy, resolve_model_path
-from agl.openai_schema import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from agl.policy.load import Policy
+from agl.policy.weights import resolve_model_path
+from agl.route import tool_prompt as tool_prompt
+from agl.route.output import OutputAssembler
+from agl.route.rendering import History, Turn, decode, render_prompt, template_messages
+from agl.route.requests import APIError, ChatCompletionRequest, CompletionRequest, parse_request
+from agl.route.tool_calls import ToolCallParser, parse_tool_calls
 
 EOS = 2
 

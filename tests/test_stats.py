@@ -4,7 +4,7 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agl.stats import mcnemar_exact, paired_change, wilson_interval
+from agl.eval.stats import mcnemar_exact, paired_change, wilson_interval
 
 
 @given(n=st.integers(1, 2000), data=st.data())
@@ -45,11 +45,11 @@ def test_paired_change_counts_only_the_tasks_that_moved(pairs):
 def test_doctests():
     import doctest
 
-    import agl.evaluate
-    import agl.loss
+    import agl.eval.evaluate
+    import agl.eval.stats
     import agl.seeding
-    import agl.stats
+    import agl.train.loss
 
-    for module in (agl.stats, agl.seeding, agl.evaluate, agl.loss):
+    for module in (agl.eval.stats, agl.seeding, agl.eval.evaluate, agl.train.loss):
         result = doctest.testmod(module)
         assert result.attempted > 0 and result.failed == 0, module.__name__

@@ -44,7 +44,7 @@ QUERIES = [
 
 
 def expected(query: dict, ids: list[str]) -> list[str]:
-    """The old `agl.evaluate._matches` filter over all rollouts: the semantics to keep."""
+    """The old `agl.eval.evaluate._matches` filter over all rollouts: the semantics to keep."""
     return [rid for rid, meta in zip(ids, METADATA) if all(meta.get(k) == v for k, v in query.items())]
 
 

@@ -1,4 +1,4 @@
-"""`report=<run dir>` (agl/report.py) tells harness deaths apart from agent failures:
+"""`report=<run dir>` (agl/report/run_report.py) tells harness deaths apart from agent failures:
 attempts cut short by the harness's end (R7) are neither retries nor agent errors."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from store_helpers import FakeClock, abandon, pretend_dead
 
-from agl.report import report_run
+from agl.report.run_report import report_run
 from agl.store import SqliteStore
 from agl.types import RolloutConfig, Span
 

@@ -7,7 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from agl.sweep import command_overrides, job_dir_name, sweep_id, write_status, write_sweep_summary
+from agl.report.status import write_status
+from agl.report.sweep import command_overrides, job_dir_name, sweep_id, write_sweep_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -12,10 +12,11 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from agl.adapter import spans_to_samples
+from agl.config import to_typed
 from agl.runtime import Runtime, succeeded
 from agl.store import SqliteStore
-from agl.trainer import GRPOTrainer
+from agl.train.grpo_trainer import GRPOTrainer
+from agl.train.samples import spans_to_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = [
@@ -37,8 +38,8 @@ def lora_state(policy):
 async def test_grpo_steps_through_the_route_change_the_lora(tmp_path):
     # a multi-turn agent: its calls must merge into one sample per rollout
     cfg = compose_cfg(TINY_RUN + ["algo.steps=2", "algo.eval_every=0", "task.eval_size=4"])
-    async with Runtime(cfg, tmp_path) as rt:
-        trainer = GRPOTrainer(rt, cfg)
+    async with Runtime.of(to_typed(cfg), tmp_path) as rt:
+        trainer = GRPOTrainer(rt, to_typed(cfg).algo)
         before = lora_state(rt.policy)
         result = await trainer.train()
         after = lora_state(rt.policy)

@@ -16,14 +16,15 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from agl.eval_job import run_eval
-from agl.model import load_policy
-from agl.prompt_search import run_prompt_search
+from agl.config import to_typed
+from agl.eval.stats import bootstrap_ci, mean_ci
+from agl.jobs.eval import run_eval
+from agl.jobs.grpo import train
+from agl.jobs.prompt_search import run_prompt_search
+from agl.policy.load import load_policy
+from agl.report.tables import fmt
 from agl.runtime import Runtime
-from agl.sft import SFTTrainer, render_demonstration
-from agl.stats import bootstrap_ci, mean_ci
-from agl.tables import fmt
-from agl.trainer import train
+from agl.train.sft import SFTTrainer, render_demonstration
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
@@ -50,7 +51,7 @@ def grpo_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("grpo")
     cfg = compose_cfg(VOWELS + ["algo=grpo", "algo.steps=2", "algo.batch_size=2", "algo.group_size=4", "algo.micro_batch_size=4", "algo.lr=3e-2", "algo.eval_every=0",
                                 "task.final_eval_size=8"])  # the baseline and final evals cover 8 tasks, eval/ the first 6
-    asyncio.run(train(cfg, run_dir))
+    asyncio.run(train(to_typed(cfg), run_dir))
     return run_dir
 
 
@@ -161,8 +162,8 @@ def test_sft_mask_covers_assistant_content_and_end_of_turn(tiny_model_cfg):
 def test_sft_loss_through_the_fused_head_equals_the_full_logits_nll(tiny_model_cfg, monkeypatch):
     """The SFT loss and its gradients, computed only at assistant positions through the fused
     head, are the plain masked NLL of the model's full logits (the path for other output layers)."""
-    import agl.grpo
-    from agl.sft import sft_loss_and_backward
+    import agl.train.forward
+    from agl.train.sft import sft_loss_and_backward
 
     policy = load_policy(tiny_model_cfg, "cpu")
     chats = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
@@ -175,7 +176,7 @@ def test_sft_loss_through_the_fused_head_equals_the_full_logits_nll(tiny_model_c
         return stats, [p.grad.clone() for p in policy.trainable_parameters()]
 
     fused, fused_grads = loss_and_grads()
-    monkeypatch.setattr(agl.grpo, "fused_head", lambda policy: None)
+    monkeypatch.setattr(agl.train.forward, "fused_head", lambda policy: None)
     full, full_grads = loss_and_grads()
     assert fused["train_tokens"] == full["train_tokens"] == sum(sum(m) for _, m in examples)
     assert fused["loss"] == pytest.approx(full["loss"], rel=1e-5)
@@ -185,8 +186,8 @@ def test_sft_loss_through_the_fused_head_equals_the_full_logits_nll(tiny_model_c
 
 async def test_sft_learns_checkpoints_and_its_adapter_is_picked_up_by_later_runs(tmp_path):
     cfg = compose_cfg(TINY + ["task=hello", "task.eval_size=2", "algo=sft", "algo.steps=4", "algo.batch_size=4", "algo.micro_batch_size=2", "algo.lr=1e-2"])
-    async with Runtime(cfg, tmp_path) as rt:
-        trainer = SFTTrainer(rt, cfg)
+    async with Runtime.of(to_typed(cfg), tmp_path) as rt:
+        trainer = SFTTrainer(rt, to_typed(cfg).algo)
         result = await trainer.train()
         trained = lora_state(rt.policy)
         checkpoints = [c.step for c in await rt.store.list_checkpoints()]
@@ -208,7 +209,7 @@ async def test_grpo_with_an_sft_warm_up_is_one_job_in_one_store(tmp_path):
     cfg = compose_cfg(TINY + ["task=hello", "task.eval_size=2", "algo=grpo", "algo.steps=2", "algo.batch_size=2", "algo.group_size=2",
                               "algo.micro_batch_size=4", "algo.eval_every=0", "algo.warmup.steps=3", "algo.warmup.batch_size=4",
                               "algo.warmup.micro_batch_size=2", "algo.warmup.lr=1e-2"])
-    result = await train(cfg, tmp_path)
+    result = await train(to_typed(cfg), tmp_path)
     assert result["steps"] == 5
     lines = metrics_lines(tmp_path)
     assert [(line["step"], line.get("stage")) for line in lines] == [(-1, None), (0, "sft"), (1, "sft"), (2, "sft"), (3, "grpo"), (4, "grpo")]
@@ -217,7 +218,7 @@ async def test_grpo_with_an_sft_warm_up_is_one_job_in_one_store(tmp_path):
     assert [line["step"] for line in lines if "eval/reward" in line] == [-1, 2, 4]  # base, after the warm-up, the end
     assert [line["policy_version"] for line in lines[1:4]] == [1, 2, 3]  # every warm-up step moved the LoRA
     # only GRPO steps enqueue rollouts, tagged with their global step
-    async with Runtime(cfg, tmp_path) as rt:
+    async with Runtime.of(to_typed(cfg), tmp_path) as rt:
         steps = {r.metadata.get("step") for r in await rt.store.query_rollouts() if r.mode == "train"}
         states = [c.state["stage"] for c in await rt.store.list_checkpoints()]
     assert steps == {3, 4}
@@ -281,7 +282,7 @@ async def test_the_agents_cyclic_garbage_is_collected_every_few_rollouts(tmp_pat
     gc.collect()
     gc.disable()
     try:
-        async with Runtime(cfg, tmp_path) as rt:
+        async with Runtime.of(to_typed(cfg), tmp_path) as rt:
             rows = rt.task.load("test")[:4]
             resources_id = await rt.resources_id(rt.task.resources_for(cfg.task.prompt))
             rollouts = await rt.run_rollouts(rows, [{"task_id": r["id"]} for r in rows], mode="val", resources_id=resources_id)
@@ -296,7 +297,7 @@ async def test_an_async_agent_that_blocks_slows_only_itself(tmp_path, caplog):
     """A sync openai client inside an async agent used to freeze the route (same event loop):
     the agent's own request could not be answered and timed out. Now it runs, with a warning."""
     cfg = compose_cfg(TINY + ["task=hello", "task.agent=e2e_agents:blocking_async_agent", "task.data=e2e_agents:load", "runner.n=4"])
-    async with Runtime(cfg, tmp_path) as rt:
+    async with Runtime.of(to_typed(cfg), tmp_path) as rt:
         rows = rt.task.load("test")[:4]
         resources_id = await rt.resources_id(rt.task.resources_for(cfg.task.prompt))
         rollouts = await rt.run_rollouts(rows, [{"task_id": r["id"]} for r in rows], mode="val", resources_id=resources_id)
@@ -310,7 +311,8 @@ async def test_an_async_agent_that_blocks_slows_only_itself(tmp_path, caplog):
 def test_sft_checkpointing_and_token_budgets_keep_the_loss_and_gradients(tiny_model_cfg, change):
     """SFT with decoder layers replayed in backward, or cut into passes by a token budget: the same
     token-mean NLL and gradients as the plain micro-batches."""
-    from agl.sft import sft_loss_and_backward, sft_micro_batches
+    from agl.train.micro_batches import sft_micro_batches
+    from agl.train.sft import sft_loss_and_backward
 
     policy = load_policy(tiny_model_cfg, "cpu")
     chats = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
@@ -336,7 +338,7 @@ def test_sft_checkpointing_and_token_budgets_keep_the_loss_and_gradients(tiny_mo
 
 
 def test_sft_micro_batches_sort_by_length_and_keep_to_both_caps():
-    from agl.sft import sft_micro_batches
+    from agl.train.micro_batches import sft_micro_batches
 
     lengths = [300, 100, 250, 120, 900, 110]
     assert sft_micro_batches(lengths, 4) == [[1, 5, 3, 2], [0, 4]]

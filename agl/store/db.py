@@ -35,7 +35,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Optional, TypeVar
 
-from agl.store import txn
+import agl.store.txn as txn
 from agl.store.overdue import NOTHING_OVERDUE, OverdueView
 from agl.types import Attempt
 

@@ -22,7 +22,8 @@ import sqlite3
 from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
-from agl.store import rules, txn
+import agl.store.rules as rules
+import agl.store.txn as txn
 from agl.store.codec import RolloutRow, attempt_from_row, dumps
 from agl.types import Attempt, Rollout, RolloutConfig
 

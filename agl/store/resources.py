@@ -9,7 +9,7 @@ import json
 from collections.abc import Mapping
 from typing import Any, Optional
 
-from agl.store import txn
+import agl.store.txn as txn
 from agl.store.codec import dumps
 from agl.store.db import Db
 from agl.store.txn import Tx

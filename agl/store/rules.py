@@ -119,7 +119,7 @@ __all__ = [
 
 HARNESS_ENDED = "harness_ended"
 """Metadata key of R7's note. SQL reads it as `json_extract(metadata, '$.harness_ended')`
-(txn.py, the views in schema.sql, agl/report.py)."""
+(txn.py, the views in schema.sql, agl/report/run_report.py)."""
 
 SessionEnd = Literal["closed", "dead"]
 

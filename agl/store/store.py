@@ -38,7 +38,10 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-from agl.store import db, rules, sessions, txn
+import agl.store.db as db
+import agl.store.rules as rules
+import agl.store.sessions as sessions
+import agl.store.txn as txn
 from agl.store.codec import (
     ATTEMPT_COLUMNS,
     ROLLOUT_COLUMNS,

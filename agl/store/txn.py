@@ -19,7 +19,8 @@ from __future__ import annotations
 import sqlite3
 from typing import Any, Optional
 
-from agl.store import rules, sessions
+import agl.store.rules as rules
+import agl.store.sessions as sessions
 from agl.store.codec import (
     ATTEMPT_COLUMNS,
     ROLLOUT_COLUMNS,

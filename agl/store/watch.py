@@ -25,7 +25,10 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Optional
 
-from agl.store import db, rules, sessions, txn
+import agl.store.db as db
+import agl.store.rules as rules
+import agl.store.sessions as sessions
+import agl.store.txn as txn
 from agl.store.codec import ROLLOUT_COLUMNS, RolloutRow, dumps
 from agl.types import Attempt, Rollout
 

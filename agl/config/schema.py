@@ -1,0 +1,403 @@
+"""Typed configs: the one home of every default, registered with Hydra as the groups' schemas.
+
+Each ``conf/<group>/<name>.yaml`` lists its schema first in ``defaults`` (``- grpo_schema``) and
+holds only what differs from it (its choices, and interpolations such as ``${task.max_tokens}``),
+so Hydra type-checks every override and rejects a mistyped key (``algo.lrr=1``) by name. Code
+outside Hydra (tests, benches, a library user) gets the same defaults from the same dataclasses:
+``GRPOConfig()`` is what ``algo=grpo`` runs.
+
+A run saved before a key existed still resumes: ``agl.jobs.dispatch.resumed_config`` merges the saved
+config onto these schemas (``with_schema``), so a missing key takes its default here.
+
+Tasks are user-extensible: ``TaskConfig`` types the keys agl reads and keeps ``resources``,
+``prompts`` and ``recipe`` open (any keys); a task yaml of the user's own need not list it.
+
+No torch here: ``harness.py`` registers these before every job, ``report=`` included.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import field
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from agl.errors import ConfigError
+
+NO_API_KEY = "agl"  # what clients send when server.api_key is null (the route then checks no key)
+
+
+# ----------------------------------------------------------------------------- top level
+
+
+@dataclasses.dataclass
+class RunnerConfig:
+    """``runner.*``: asyncio workers that run the agent on dequeued rollouts (agl/agents/runner.py)."""
+
+    n: int = 32  # concurrent rollouts in the job's process (the engine batches their LLM calls); 0: runner processes only
+    processes: int = 0  # runner processes the job starts (agl/agents/attach.py), for agents that hold the GIL or block
+    per_process: int = 8  # concurrent rollouts in each runner process (its runner.n)
+    timeout_seconds: int = 600  # per attempt, from its start
+    unresponsive_seconds: int = 300
+    max_attempts: int = 2
+    retry_condition: list[str] = field(default_factory=lambda: ["failed", "timeout", "unresponsive"])
+    collect_every: int = 32  # finished rollouts between full garbage collections + malloc_trim (agl.memory.collect); 0: never
+
+
+@dataclasses.dataclass
+class EngineConfig:
+    """``engine.*``: the batched sampler (agl/policy/engine.py)."""
+
+    max_batch_size: int = 64  # sequences decoded together
+    max_prefill_tokens: int = 8192
+    weights: str = "merged"  # merged: dense base+LoRA matrices, re-merged after each update | adapter: through the training model
+    batch_invariant: Any = "auto"  # auto (on when model.compute_dtype=float32) | true | false (agl.runtime.batch_invariant)
+    decode: str = "fast"  # fast: agl/policy/decode.py's step for Llama-family merged samplers | model: the model's forward
+
+
+@dataclasses.dataclass
+class ServerConfig:
+    """``server.*``: the OpenAI-compatible route agents call (agl/route/server.py)."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0: a free port
+    api_key: Optional[str] = None  # set to require "Authorization: Bearer <key>"
+    frozen_models: list[str] = field(default_factory=lambda: ["base"])  # names served as the base model (adapter off)
+    default_max_tokens: int = 1024  # for a call that gives no max_tokens (rollouts normally carry their algo's)
+    history_attempts: int = 256  # attempts whose recent turns the route keeps in memory for prefix reuse (LRU)
+    history_turns: int = 8  # turns kept per attempt; older ones are read back from the store's spans
+    stored_responses: int = 1024  # Responses API: the last N stored responses kept for previous_response_id and GET
+
+
+def client_api_key(server: Any) -> str:
+    """The key clients of the route send: ``server.api_key``, or the placeholder when the route checks none."""
+    return server.api_key or NO_API_KEY
+
+
+@dataclasses.dataclass
+class Config:
+    """The top level (conf/config.yaml). ``model``, ``task`` and ``algo`` come from their groups."""
+
+    model: Any = MISSING
+    task: Any = MISSING
+    algo: Any = MISSING
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda
+    progress: bool = True  # tqdm bars
+    resume: Optional[str] = None  # a run dir to continue
+    report: Optional[str] = None  # a run dir or sweep dir to summarize (no model loaded)
+    attach: Optional[str] = None  # algo=runner: the run dir of a running job to join as a runner process
+    threads: Optional[int] = None  # torch/OpenMP threads per job; null: auto (agl/jobs/launchers.py)
+    logger: Any = None  # tensorboard | wandb | [tensorboard, wandb] | null (agl/report/loggers.py)
+    runner: RunnerConfig = field(default_factory=RunnerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+
+# ----------------------------------------------------------------------------- model
+
+
+@dataclasses.dataclass
+class LoraConfig:
+    r: int = 16
+    alpha: int = 32
+    dropout: float = 0.0
+    target_modules: Any = "all-linear"  # all-linear (every linear layer but the output projection) | a list of names | a regex
+    # A LoRA (same r, alpha) on the vocabulary matrices too (README "LoRA on the vocabulary matrices").
+    train_embeddings: bool = False
+    train_head: bool = False
+    # The update runs each LoRA linear as one matmul with W + scale·B·A (agl/train/merged_lora.py; the same gradients).
+    train_merged: Any = "auto"  # auto (on when the policy computes in float32) | true | false
+
+
+@dataclasses.dataclass
+class TinyConfig:
+    """``model.path=tiny``: a random-weight Llama with the real SmolLM2 tokenizer (conf/model/tiny.yaml)."""
+
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True  # like SmolLM2's
+    seed: int = 0
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    name: str = "SmolLM2-135M-Instruct"
+    path: str = "embedded"  # embedded | tiny | a local HF model dir | a hub id
+    cache_dir: str = "~/.cache/agl"  # the yaml reads $AGL_CACHE first
+    quantization: str = "nf4"  # nf4 | fp4 | int8 | none
+    double_quant: bool = False
+    compute_dtype: str = "auto"  # auto (bf16 where native, else fp32) | float32 | bfloat16 | float16
+    adapter: Optional[str] = None  # an adapter dir, or a run dir holding one: start from an earlier run
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    tiny: Optional[TinyConfig] = None  # set by conf/model/tiny.yaml
+
+
+# ----------------------------------------------------------------------------- task
+
+
+DEFAULT_PROMPTS = {"default": "{question}"}  # the templates of a task that lists none (task.prompts empty)
+
+
+@dataclasses.dataclass
+class TaskConfig:
+    """The keys agl reads; ``resources``, ``prompts`` and ``recipe`` take any keys (the task's own)."""
+
+    name: str = MISSING
+    agent: str = MISSING  # module:function
+    data: Any = MISSING  # module:function(split) | a .jsonl path | {split: a .jsonl path}
+    demonstrations: Optional[str] = None  # for algo=sft: a .jsonl of {"messages": [...]} lines, or module:function
+    max_tokens: int = 128  # per LLM call
+    train_split: str = "train"
+    eval_split: str = "test"
+    eval_size: int = 16  # the first N rows of eval_split; 0 = all
+    final_eval_size: Optional[int] = None  # the baseline and final evals of algo=grpo: null = eval_size, 0 = all
+    prompt: str = "default"
+    prompts: dict[str, Any] = field(default_factory=dict)  # templates the agent gets as prompt_template; empty: DEFAULT_PROMPTS
+    resources: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments for the agent
+    recipe: dict[str, Any] = field(default_factory=dict)  # warmup_steps, steps, eval_every: algo=grpo's unless overridden
+
+
+# ----------------------------------------------------------------------------- algo
+
+
+@dataclasses.dataclass
+class SFTConfig:
+    """``algo=sft`` (agl/train/sft.py), and ``algo.warmup`` of ``algo=grpo``."""
+
+    name: str = "sft"
+    split: str = "train"  # the yaml: ${task.train_split}
+    steps: int = 100  # optimizer steps
+    epochs: Optional[float] = None  # if set, replaces steps: ceil(epochs * demonstrations / batch_size)
+    batch_size: int = 8  # conversations per optimizer step
+    micro_batch_size: int = 4  # conversations per forward/backward pass at most
+    micro_batch_tokens: Optional[int] = None  # tokens per pass at most, padding included (None: only micro_batch_size bounds them)
+    gradient_checkpointing: bool = True  # replay each decoder layer in backward instead of keeping its activations (agl/train/activation_checkpointing.py)
+    lr: float = 2e-4  # GSM8K: 40 steps at 2e-4 take format 0 -> 0.79 (RESULTS.md)
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    max_length: int = 1024  # tokens per conversation; longer ones are cut
+    eval: bool = True  # false: no evals
+    eval_every: int = 0  # steps; also before the first step and after the last
+    max_tokens: int = 128  # for the evals; the yaml: ${task.max_tokens}
+
+
+def _no_warmup() -> SFTConfig:
+    return SFTConfig(steps=0)
+
+
+@dataclasses.dataclass
+class GRPOConfig:
+    """``algo=grpo``: one step = batch_size tasks x group_size rollouts, then one update (agl/train/grpo.py)."""
+
+    name: str = "grpo"
+    steps: int = 30  # the yaml: the task's recipe.steps, else 30
+    batch_size: int = 4  # B: tasks per step
+    group_size: int = 8  # G: rollouts per task, compared with each other
+    lr: float = 2e-4
+    loss_type: str = "dapo"  # grpo | dr_grpo | dapo | gspo | cispo | sapo | opmd (agl/train/loss.py's docstring)
+    scale_rewards: str = "group"  # group | batch | none
+    epsilon: float = 0.2
+    epsilon_high: Optional[float] = 0.28
+    beta: float = 0.0  # KL weight against the base model (adapter off); 0 skips the reference pass
+    num_iterations: int = 1  # mu: optimizer passes over each batch
+    old_logprobs: str = "recorded"  # recorded (sampling-time, from spans) | recompute (trainer forward before step)
+    micro_batch_size: Optional[int] = None  # rows per forward/backward pass at most (None: only micro_batch_tokens bounds them)
+    micro_batch_tokens: Optional[int] = 2048  # tokens per pass at most, padding included (plan_micro_batches); None: no cap
+    gradient_checkpointing: bool = True  # replay each decoder layer in backward instead of keeping its activations (agl/train/activation_checkpointing.py)
+    max_grad_norm: float = 1.0
+    mask_truncated: bool = False  # true: completions cut by max_tokens carry no loss
+    drop_zero_std: bool = True  # skip groups whose rewards are all equal: they teach nothing
+    weight_decay: float = 0.0
+    opmd_tau: float = 1.0  # loss_type=opmd: loss / (1 + tau) (Trinity-RFT's default)
+    sapo_tau_pos: float = 1.0  # loss_type=sapo: soft-gate temperature for advantages > 0 (SAPO paper / TRL)
+    sapo_tau_neg: float = 1.05  # ... and for advantages <= 0 (sharper gate)
+    temperature: float = 0.8
+    top_p: float = 1.0
+    max_tokens: int = 128  # the yaml: ${task.max_tokens}
+    eval_every: int = 15  # steps (the yaml: task.recipe's, else 15); also at step 0 and at the end
+    warmup: SFTConfig = field(default_factory=_no_warmup)  # an SFT stage first; steps=0: none
+
+    @classmethod
+    def from_cfg(cls, cfg: Any) -> GRPOConfig:
+        """The update's keys of ``cfg`` (a composed ``algo``, or any mapping); the rest take their defaults."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"warmup"}
+        return cls(**{k: v for k, v in dict(cfg).items() if k in names})
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    """``algo=eval`` (agl/jobs/eval.py)."""
+
+    name: str = "eval"
+    split: str = "test"  # the yaml: ${task.eval_split}
+    size: int = 16  # the first N tasks of the split; 0 = all. The yaml: ${task.eval_size}
+    prompt: str = "default"  # which of task.prompts the agent gets. The yaml: ${task.prompt}
+    k: int = 1  # tries per task; pass@k is reported when k > 1
+    temperature: float = 0.0  # 0 = greedy; sample (e.g. 0.8) when k > 1, or every try is the same
+    top_p: float = 1.0
+    max_tokens: int = 128  # the yaml: ${task.max_tokens}
+    pass_threshold: float = 1.0  # a try passes when its reward is >= this
+
+
+@dataclasses.dataclass
+class PromptSearchConfig:
+    """``algo=prompt_search`` (agl/jobs/prompt_search.py): score each prompt template on the same tasks, rank them."""
+
+    name: str = "prompt_search"
+    split: str = "train"  # choose on train, confirm the winner with algo=eval. The yaml: ${task.train_split}
+    size: int = 32  # distinct tasks per candidate (the first N of the split)
+    candidates: Optional[list[str]] = None  # names from task.prompts; None: all of them
+    temperature: float = 0.0  # 0 = greedy: the template, not sampling noise, makes the difference
+    top_p: float = 1.0
+    max_tokens: int = 128  # the yaml: ${task.max_tokens}
+    bootstrap: int = 2000  # resamples for the bootstrap 95% interval
+
+
+@dataclasses.dataclass
+class CustomConfig:
+    """``algo=custom`` (agl/jobs/custom.py): the user's own ``async def`` on the run's store, runners and route."""
+
+    name: str = "custom"
+    fn: Optional[str] = None  # required: module:function
+    args: dict[str, Any] = field(default_factory=dict)  # more keyword arguments for fn, e.g. +algo.args.tasks_per_prompt=8
+    temperature: float = 0.0  # for rollouts whose metadata has no "sampling"; 0 = greedy
+    top_p: float = 1.0
+    max_tokens: int = 128  # the yaml: ${task.max_tokens}
+
+
+@dataclasses.dataclass
+class ServeConfig:
+    """``algo=serve`` (agl/jobs/serve.py): the policy on the route until Ctrl-C; ``server.*`` sets where it listens."""
+
+    name: str = "serve"
+    record: bool = True  # every call into the run dir's store.sqlite (token ids, logprobs, request)
+
+
+@dataclasses.dataclass
+class ExportConfig:
+    """``algo=export`` (agl/jobs/export.py): model.adapter merged into the full-precision base, as HF and GGUF."""
+
+    name: str = "export"
+    dtype: str = "float32"  # float32 | bfloat16 | float16: the exported weights (the merge itself is in float32)
+    out: Optional[str] = None  # where to write hf/ and model-<dtype>.gguf; None: export/ in the run dir. Must not hold files yet
+    gguf: bool = True  # false: the HF dir only
+
+
+@dataclasses.dataclass
+class RunnerJobConfig:
+    """``algo=runner attach=<run dir>`` (agl/agents/attach.py): join a running job; ``runner.*`` sets how many rollouts at once."""
+
+    name: str = "runner"
+
+
+@dataclasses.dataclass
+class InfoConfig:
+    """``algo=info`` (agl/jobs/dispatch.py): load the model, print parameter counts and memory, exit."""
+
+    name: str = "info"
+
+
+ALGO_SCHEMAS: dict[str, type] = {
+    "grpo": GRPOConfig, "sft": SFTConfig, "eval": EvalConfig, "prompt_search": PromptSearchConfig,
+    "custom": CustomConfig, "serve": ServeConfig, "export": ExportConfig, "runner": RunnerJobConfig, "info": InfoConfig,
+}
+
+SCHEMAS: dict[tuple[str | None, str], type] = {
+    (None, "config_schema"): Config,
+    ("model", "model_schema"): ModelConfig,
+    ("task", "task_schema"): TaskConfig,
+    **{("algo", f"{name}_schema"): schema for name, schema in ALGO_SCHEMAS.items()},
+}
+
+
+SCHEMA_NAMES = {cls.__name__ for cls in (*SCHEMAS.values(), RunnerConfig, EngineConfig, ServerConfig, LoraConfig, TinyConfig)}
+
+
+def register_configs() -> None:
+    """Put the schemas in Hydra's ConfigStore (idempotent): conf/ names them in its defaults lists."""
+    from hydra.core.config_store import ConfigStore
+
+    store = ConfigStore.instance()
+    for (group, name), node in SCHEMAS.items():
+        store.store(group=group, name=name, node=node)
+
+
+def with_schema(saved: DictConfig) -> DictConfig:
+    """A config saved by an earlier run, on the schemas: keys added since then take their defaults.
+
+    The top level, ``model``, and ``algo`` when its name is one of agl's (``ALGO_SCHEMAS``).
+    Keys the schemas no longer know are kept (an old run's config is what it ran with).
+    """
+    out = OmegaConf.merge(_defaults(Config), saved)
+    if "model" in saved:
+        out.model = OmegaConf.merge(_defaults(ModelConfig), saved.model)
+    algo_schema = ALGO_SCHEMAS.get(str(OmegaConf.select(saved, "algo.name")))
+    if algo_schema is not None:
+        out.algo = OmegaConf.merge(_defaults(algo_schema), saved.algo)
+    return out
+
+
+def typed(schema: type, cfg: Any) -> Any:
+    """``cfg`` (a composed section, or a partial one: a test's dict, an older run's) on its schema, so
+    every key it lacks reads the default from here and a wrong type fails. Components call this on the
+    section they are given instead of ``cfg.get(key, default)``; an instance of ``schema`` is returned as is."""
+    if isinstance(cfg, schema) or OmegaConf.get_type(cfg) is schema:
+        return cfg
+    if isinstance(cfg, DictConfig):  # interpolations resolve against the section's own root (``${task.max_tokens}``)
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        return OmegaConf.merge(OmegaConf.structured(schema), cfg)
+    except OmegaConfBaseException as error:
+        raise ConfigError(f"{error.full_key or schema.__name__}: {str(getattr(error, 'msg', error)).splitlines()[0]} ({schema.__name__})") from None
+
+
+def _defaults(schema: type) -> DictConfig:
+    """``schema``'s defaults as a plain (untyped) config: merged under a saved one, it adds keys and checks nothing."""
+    return OmegaConf.create(OmegaConf.to_container(OmegaConf.structured(schema)))
+
+
+def to_typed(cfg: Any) -> Config:
+    """The one conversion from the Hydra config, at a job's edge: ``cfg`` (composed, or any mapping of it)
+    as the schemas' dataclasses, every section typed. Below the jobs, components take their sections
+    (``RunnerConfig``, ``GRPOConfig``, ...), never the whole Hydra config.
+
+    ``algo`` takes the schema its name has (``ALGO_SCHEMAS``); a task's keys outside ``TaskConfig`` are left
+    out (agl reads none of them; a task yaml of the user's own need not list ``task_schema``), and so are
+    top-level keys outside ``Config`` (``agl.run`` passes its ``run_dir`` that way).
+    """
+    if isinstance(cfg, Config):
+        return cfg
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True)
+    cfg = dict(cfg)
+    task = cfg.get("task") or {}
+    known = {f.name for f in dataclasses.fields(TaskConfig)}
+    sections = {
+        "model": typed(ModelConfig, cfg.get("model") or {}),
+        "task": typed(TaskConfig, {k: v for k, v in task.items() if k in known}),
+        "algo": typed(ALGO_SCHEMAS.get((cfg.get("algo") or {}).get("name"), InfoConfig), cfg.get("algo") or {}),
+    }
+    fields = {f.name for f in dataclasses.fields(Config)}  # a key no schema has (agl.run's run_dir) is not config
+    top = typed(Config, {k: v for k, v in cfg.items() if k in fields and k not in sections})
+    return OmegaConf.to_object(OmegaConf.merge(top, sections))
+
+
+def plain(section: Any) -> Any:
+    """A config or section (a dataclass, a DictConfig or a mapping) as plain JSON-ready data."""
+    if dataclasses.is_dataclass(section) and not isinstance(section, type):
+        return dataclasses.asdict(section)
+    if isinstance(section, (DictConfig, ListConfig)):
+        return OmegaConf.to_container(section, resolve=True)
+    return dict(section) if isinstance(section, Mapping) else section
+
+
+def config_record(config: Config) -> dict:
+    """``config`` as plain data: what a run records of the config it ran with (``run_info['config']``)."""
+    return plain(config)

@@ -1,0 +1,206 @@
+"""Score a policy on a split through the same runners and route as training.
+
+Every rollout's final reward and its ``emit_metric`` values are averaged; ``pass@k`` is
+reported when each task is tried k times (a task passes when any try scores >= threshold).
+
+``evaluate(rt, rows, ...)`` is the one evaluation used by every algorithm: GRPO's and SFT's
+periodic evals, ``algo=eval`` and (through ``evaluate_rows``) ``algo=prompt_search``.
+Statistics live in ``agl.eval.stats``, table formatting in ``agl.report.tables`` (neither loads torch).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+from agl.agents.api import METRIC_SPAN, final_reward
+from agl.eval.failures import check_rollouts
+from agl.eval.stats import is_binary, paired_change, rate_with_interval
+from agl.types import Rollout, RolloutStatus
+
+
+async def rollout_scores(store: Any, rollouts: Sequence[Rollout]) -> list[dict]:
+    """One row per rollout: its status, final reward and metrics (from its latest attempt's spans)."""
+    rows = []
+    for rollout in rollouts:
+        row: dict[str, Any] = {"rollout_id": rollout.rollout_id, "status": str(rollout.status), "task_id": (rollout.metadata or {}).get("task_id")}
+        if rollout.status == RolloutStatus.SUCCEEDED:
+            spans = await store.query_spans(rollout.rollout_id, "latest")
+            reward = final_reward(spans)
+            if reward is not None:
+                row["reward"] = reward
+            for span in spans:
+                if span.name == METRIC_SPAN:
+                    row[span.attributes["name"]] = float(span.attributes["value"])
+            row["completion_tokens"] = sum(len(s.response_token_ids or []) for s in spans)
+        rows.append(row)
+    return rows
+
+
+def summarize(rows: Sequence[dict], k: int = 1, pass_threshold: float = 1.0) -> dict[str, float]:
+    """Means over rollouts (failed rollouts count as reward 0) plus pass@k over tasks.
+
+    >>> summarize([{"status": "succeeded", "task_id": 1, "reward": 1.0}, {"status": "failed", "task_id": 1}], k=2)
+    {'n': 2.0, 'reward': 0.5, 'failed': 0.5, 'pass@2': 1.0}
+    """
+    summary: dict[str, float] = {"n": float(len(rows))}
+    if not rows:
+        return summary
+    summary["reward"] = sum(r.get("reward", 0.0) for r in rows) / len(rows)
+    summary["failed"] = sum(r["status"] != "succeeded" for r in rows) / len(rows)
+    for name in score_names(rows)[1:]:
+        summary[name] = sum(r.get(name, 0.0) for r in rows) / len(rows)
+    lengths = [r["completion_tokens"] for r in rows if "completion_tokens" in r]
+    if lengths:
+        summary["completion_tokens"] = sum(lengths) / len(lengths)
+    if k > 1:
+        by_task: dict[Any, list[float]] = defaultdict(list)
+        for r in rows:
+            by_task[r["task_id"]].append(r.get("reward", 0.0))
+        summary[f"pass@{k}"] = sum(any(x >= pass_threshold for x in v) for v in by_task.values()) / len(by_task)
+    return summary
+
+
+def score_names(rows: Sequence[dict]) -> list[str]:
+    """The per-rollout scores of ``rows``: ``reward`` and every emitted metric."""
+    return ["reward"] + sorted({key for r in rows for key in r} - {"rollout_id", "status", "task_id", "reward", "completion_tokens"})
+
+
+def rate_intervals(rows: Sequence[dict]) -> dict[str, dict[str, float]]:
+    """Wilson 95% intervals of the scores that are 0/1 per rollout (failed rollouts count 0)."""
+    out = {}
+    for name in score_names(rows):
+        values = [r.get(name, 0.0) for r in rows]
+        if is_binary(values):
+            out[name] = rate_with_interval(values)
+    return out
+
+
+def paired_changes(before: Sequence[dict], after: Sequence[dict]) -> dict[str, dict[str, float]]:
+    """McNemar comparisons of two greedy evals of the same tasks, for every 0/1 score."""
+    out = {}
+    for name in score_names(after):
+        b = {r["task_id"]: r.get(name, 0.0) for r in before}
+        a = {r["task_id"]: r.get(name, 0.0) for r in after}
+        if is_binary(list(b.values())) and is_binary(list(a.values())):
+            out[name] = paired_change(b, a)
+    return out
+
+
+# ----------------------------------------------------------------------------- running an evaluation
+
+def split_rows(rows: list[dict], size: int | None, distinct: bool = False) -> list[dict]:
+    """The first ``size`` rows (all when size is 0/None); ``distinct`` drops rows whose id repeats."""
+    if distinct:
+        seen, unique = set(), []
+        for row in rows:
+            key = row.get("id", id(row))
+            if key not in seen:
+                seen.add(key)
+                unique.append(row)
+        rows = unique
+    return rows[:size] if size else rows
+
+
+def sampling_of(algo: Any) -> dict:
+    """The decoding settings of an eval-like ``algo`` section (temperature, max_tokens, top_p when it matters)."""
+    sampling = {"temperature": float(algo.temperature), "max_tokens": int(algo.max_tokens)}
+    if algo.temperature > 0 and algo.top_p != 1.0:
+        sampling["top_p"] = float(algo.top_p)
+    return sampling
+
+
+
+async def evaluate_rows(
+    rt: Any,
+    rows: Sequence[dict],
+    *,
+    resources: dict,
+    sampling: dict,
+    k: int = 1,
+    tag: dict,
+    mode: str = "val",
+    desc: str = "eval",
+) -> list[dict]:
+    """Run every task ``k`` times through the runners and the route; one score row per rollout.
+
+    ``rt`` is an ``agl.runtime.Runtime``. ``tag`` (e.g. ``{"eval_step": 3}``) goes into every
+    rollout's metadata and names this evaluation in the store: when rollouts with that tag
+    already exist (a resumed run), they are reused instead of enqueued again. They are found
+    with ``query_rollouts(metadata=tag)``, an index probe for the tags agl uses.
+    """
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    resources_id = await rt.resources_id(resources)
+    inputs, metadata = [], []
+    for row in rows:
+        for attempt in range(k):
+            inputs.append(row)
+            metadata.append({**tag, "task_id": row.get("id"), "try": attempt, "sampling": dict(sampling)})
+    existing = await rt.store.query_rollouts(metadata=tag)
+    if len(existing) != len(inputs):
+        existing = []  # nothing (or something else) under this tag: enqueue afresh
+    rollouts = await rt.run_rollouts(inputs, metadata, mode=mode, resources_id=resources_id, existing=existing, desc=desc)
+    await check_rollouts(rt.store, rollouts, desc)  # all failed: the job fails, with the most common error
+    return await rollout_scores(rt.store, rollouts)
+
+
+async def evaluate(
+    rt: Any,
+    rows: Sequence[dict],
+    *,
+    resources: dict,
+    sampling: dict,
+    k: int = 1,
+    tag: dict,
+    pass_threshold: float = 1.0,
+    desc: str = "eval",
+) -> dict[str, float]:
+    """``summarize(evaluate_rows(...))``: the means (and pass@k) of one evaluation."""
+    scores = await evaluate_rows(rt, rows, resources=resources, sampling=sampling, k=k, tag=tag, desc=desc)
+    return summarize(scores, k=k, pass_threshold=pass_threshold)
+
+
+# ----------------------------------------------------------------------------- during training
+
+
+async def eval_during_training(rt: Any, rows: Sequence[dict], step: int, max_tokens: int, slice_size: int = 0) -> dict[str, float]:
+    """The GRPO and SFT trainers' greedy evaluation after ``step`` updates (replies of at most ``max_tokens``,
+    the task's prompt), as ``eval/`` metrics.
+
+    Step 0 is the baseline before any update (the trainers log it on its own, as step -1:
+    ``agl.train.resume.log_baseline``).
+    Every 0/1 score gets its Wilson 95% interval (``eval/<score>_lo``, ``_hi``); after an
+    update, also the paired comparison with the baseline on the same tasks
+    (``eval/<score>_base``, ``_gained``, ``_lost`` and McNemar's ``_p``).
+
+    With ``slice_size`` (the periodic evals' tasks, a prefix of ``rows``), ``eval/`` keeps
+    describing that slice, so the curve stays comparable, and ``eval_all/`` describes all of
+    ``rows`` (the baseline and final evals on a whole split).
+    """
+    if not rows:
+        return {}
+    scores = await evaluate_rows(
+        rt, rows, resources=rt.task.resources_for(rt.task_config.prompt),
+        sampling={"temperature": 0.0, "max_tokens": max_tokens}, tag={"eval_step": step}, desc=f"eval@{step}",
+    )
+    baseline = None
+    if step != 0 and (rollouts := await rt.store.query_rollouts(metadata={"eval_step": 0})):
+        baseline = await rollout_scores(rt.store, rollouts)
+    sliced = slice_size and len(scores) > slice_size
+    metrics = eval_metrics("eval", scores[:slice_size] if sliced else scores, baseline)
+    if sliced:
+        metrics.update(eval_metrics("eval_all", scores, baseline))
+    return metrics
+
+
+def eval_metrics(prefix: str, scores: Sequence[dict], baseline: Sequence[dict] | None) -> dict[str, float]:
+    """Means, Wilson intervals of the 0/1 scores, and (given the baseline's scores) the paired
+    comparison on the tasks both scored, as ``<prefix>/<name>`` metrics."""
+    metrics = {f"{prefix}/{k}": v for k, v in summarize(scores).items()}
+    for name, rate in rate_intervals(scores).items():
+        metrics[f"{prefix}/{name}_lo"], metrics[f"{prefix}/{name}_hi"] = rate["lo"], rate["hi"]
+    for name, change in paired_changes(baseline or [], scores).items():
+        for key in ("before", "gained", "lost", "p"):
+            metrics[f"{prefix}/{name}_{'base' if key == 'before' else key}"] = change[key]
+    return metrics

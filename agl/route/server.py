@@ -1,0 +1,433 @@
+"""The model route: an OpenAI-compatible HTTP server over the engine, inside the harness process.
+
+Agents talk to the policy through ``/v1/chat/completions``, ``/v1/completions`` and
+``/v1/responses`` like any OpenAI endpoint. Under ``/rollout/{rollout_id}/attempt/{attempt_id}/v1``
+the same calls are also *recorded*: each sampled choice becomes one span with the exact token
+ids and log-probs the trainer learns from (``agl.route.recording``). Unscoped ``/v1`` calls are served
+but not recorded, unless the server is made with ``record_unscoped=True`` (``algo=serve``).
+
+This module is the transport: routes, auth, OpenAI-style errors, streaming, disconnects, and
+calling the engine. Requests are parsed by ``agl.route.requests`` and answered with the models of
+``agl.route.response_models``; prompts are rendered by ``agl.route.rendering`` (``agl.route.tool_prompt`` for tools), and
+Responses calls translated to chat calls by ``agl.route.responses_api``.
+
+Why in-process: the server runs as a task on the caller's event loop (``uvicorn.Server.serve``),
+next to the engine and the store. No second process, no IPC, and the trainer can pause the
+engine between steps while the route keeps accepting requests.
+
+Choices worth knowing:
+  - n > 1 is one ``engine.submit`` (shared prefill) and writes one span per choice, all with
+    the same ``trace_id``: each choice is a separate sample for the trainer.
+  - max_tokens, when omitted, is the room left in the context, capped at ``default_max_tokens``
+    (1024).
+  - Returned text is exactly what was sampled, special tokens included, minus a final stop
+    token and anything from a matched stop string on. ``logprobs`` and ``token_ids`` cover
+    every sampled token, the final stop token included (it is part of what the trainer sees).
+  - Tools work on every model. A model whose chat template has no tool section gets the
+    built-in Hermes/Qwen-style tool prompt inside its own template (``agl.route.tool_prompt``); each
+    span's ``chat_template`` attribute says which rendered it ("model" or "agl-hermes-tools").
+    Replies are parsed for ``<tool_call>`` blocks (``agl.route.tool_calls.ToolCallParser``).
+  - ``tool_choice`` "required" or a named function is enforced by forcing the start of the
+    reply: the tokens of ``<tool_call>\\n{"name": "`` (required) or ``<tool_call>\\n{"name":
+    "<fn>", "arguments":`` (named) are appended to the prompt, then the rest is sampled. They
+    were not sampled, so they belong to the span's prompt ids (no loss, no logprobs); the span
+    says how many (``forced_tokens``) and usage counts them as prompt tokens. The returned
+    message is parsed from forced + sampled text, so it is a tool call (unless max_tokens ends
+    it before the name does). "none" renders and parses no tools.
+  - Streamed tool calls arrive as OpenAI's do: a ``tool_calls`` delta with index, id, type and
+    name (empty arguments) as soon as the name is complete, then argument fragments; text
+    before a call streams as content.
+  - Bad input is answered as OpenAI answers it, never with a 5xx: ``model`` must be the
+    policy's name or one of the server's ``model_names`` (else 404 ``model_not_found``; a
+    request without ``model`` is served too); a ``developer`` message is a system message to
+    the template; a ``tool`` message needs ``tool_call_id``; image parts are a 400 (text only).
+  - A rollout call without a ``seed`` samples with one derived from the run seed and the
+    call's identity (``agl.seeding.call_seed``), so what it samples does not depend on
+    scheduling; the span records the seed used and where it came from. Unscoped calls
+    without a seed draw from the engine's shared generator.
+  - ``/v1/responses`` (OpenAI's Responses API, the Agents SDK's default) is a chat call in
+    disguise: ``agl.route.responses_api`` translates the request's items into chat messages, the chat
+    path renders, samples, parses tool calls and records (an ``llm.chat`` span whose
+    ``request.responses`` holds the response id, ``previous_response_id`` and ``metadata``),
+    and the reply goes back as output items, streamed as Responses events or not. Stored
+    responses (``store``, the default) stay in memory, the last ``server.stored_responses``, for
+    ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``, on the route that made them.
+  - A client that disconnects cancels its sequences; nothing is recorded for it.
+  - With ``api_key`` set, every route but ``GET /health`` needs ``Authorization: Bearer <key>``.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import logging
+import secrets
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from agl.config import ServerConfig, typed
+from agl.policy.engine import SamplingParams
+from agl.route import tool_prompt
+from agl.route.output import Delta, OutputAssembler
+from agl.route.recording import Call, Choice, Recorder
+from agl.route.rendering import History, decode, render_prompt, template_messages
+from agl.route.requests import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    conflict,
+    error_body,
+    model_not_found,
+    not_found,
+    parse_request,
+    unauthorized,
+)
+from agl.route.response_models import Answer, ModelCard, ModelList
+from agl.route.responses_endpoint import ResponsesEndpoint
+from agl.route.streaming import ClientGone, interleaved, sse_line, unless_disconnected
+from agl.route.tool_calls import ToolCallParser
+from agl.seeding import CallCounter, call_seed
+from agl.store import charged_attempt_number
+
+log = logging.getLogger(__name__)
+
+FINISHED_ATTEMPT_STATUSES = ("succeeded", "failed", "timeout")  # an "unresponsive" attempt may come back
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn without its signal handlers: Ctrl-C belongs to the harness, not to the route."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class ModelServer:
+    """OpenAI-compatible route over ``engine`` on the caller's event loop.
+
+    The engine's lifecycle is the caller's: start it before serving, stop it after ``stop()``.
+
+    >>> server = ModelServer(engine, policy, store)     # doctest: +SKIP
+    >>> await server.start(); server.base_url            # doctest: +SKIP
+    'http://127.0.0.1:40321/v1'
+    """
+
+    def __init__(
+        self,
+        engine: Any,
+        policy: Any,
+        store: Any = None,
+        config: Any = None,
+        *,
+        seed: int = 0,
+        model_names: Sequence[str] = (),
+        frozen: Mapping[str, Any] | None = None,
+        record_unscoped: bool = False,
+    ):
+        config = typed(ServerConfig, config or {})  # server.*: host, port, api_key, default_max_tokens, history and response store sizes
+        self.engine = engine
+        self.policy = policy
+        self.store = store
+        self.host = config.host
+        self.port = config.port  # 0 until start() binds a free one
+        self.api_key = config.api_key
+        self.default_max_tokens = config.default_max_tokens
+        self.seed = seed  # the run seed: rollout calls without a seed of their own derive one from it
+        # frozen helper models: name -> an engine sampling the base model (adapter off; agl.policy.sampler_weights)
+        self.frozen = dict(frozen or {})
+        # what requests may name in `model`: the policy, its frozen helpers, and names registered for the policy
+        self.model_names = tuple(dict.fromkeys([policy.name, *self.frozen, *model_names]))
+        self.recorder = Recorder(store, policy, record_unscoped, frozen_names=self.frozen, history=History(config.history_attempts, config.history_turns))
+        self.responses = ResponsesEndpoint(self, config.stored_responses)  # /v1/responses (agl.route.responses_endpoint)
+        self.call_numbers = CallCounter()
+        self.app = self._build_app()
+        self._server: _EmbeddedUvicorn | None = None
+        self._task: asyncio.Task | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    def rollout_base_url(self, rollout_id: str, attempt_id: str) -> str:
+        return f"{self.url}/rollout/{rollout_id}/attempt/{attempt_id}/v1"
+
+    async def start(self) -> None:
+        """Bind (port 0 picks a free port, known right away) and serve as a task on this loop."""
+        if self._task is not None:
+            return
+        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.setblocking(False)
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+        self._server = _EmbeddedUvicorn(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="agl-model-server")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # re-raise why it could not start
+                raise RuntimeError("the model server stopped during startup")
+            await asyncio.sleep(0.005)
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = self._server = None
+
+    # ------------------------------------------------------------------ app
+
+    def _build_app(self) -> FastAPI:
+        app = FastAPI(title="agl model route", docs_url=None, redoc_url=None, openapi_url=None)
+        router = APIRouter(dependencies=[Depends(self._authorize)])
+        router.add_api_route("/models", self._models, methods=["GET"])
+        router.add_api_route("/chat/completions", self._chat, methods=["POST"])
+        router.add_api_route("/completions", self._completions, methods=["POST"])
+        router.add_api_route("/responses", self.responses.create, methods=["POST"])
+        router.add_api_route("/responses/{response_id}", self.responses.get, methods=["GET"])
+        router.add_api_route("/responses/{response_id}", self.responses.delete, methods=["DELETE"])
+        app.include_router(router, prefix="/v1")
+        app.include_router(router, prefix="/rollout/{rollout_id}/attempt/{attempt_id}/v1")
+        app.add_api_route("/health", self._health, methods=["GET"])
+
+        @app.exception_handler(APIError)
+        async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+            return JSONResponse(exc.body(), status_code=exc.status)
+
+        @app.exception_handler(RequestValidationError)
+        async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+            return JSONResponse(error_body(str(exc), "invalid_request_error"), status_code=400)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+            kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+            return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+        @app.exception_handler(Exception)
+        async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+            log.exception("unexpected error serving %s", request.url.path)
+            return JSONResponse(error_body(f"Internal server error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)
+
+        return app
+
+    async def _authorize(self, request: Request) -> None:
+        if self.api_key is not None:
+            given = request.headers.get("authorization", "")
+            if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                raise unauthorized()
+
+    async def _health(self) -> dict:
+        return {
+            "status": "ok",
+            "model": self.policy.name,
+            "policy_version": self.policy.version,
+            "running": self.engine.num_running,
+            "waiting": self.engine.num_waiting,
+        }
+
+    async def _models(self) -> dict:
+        return ModelList(data=[ModelCard(id=name, max_model_len=self.policy.context_length) for name in self.model_names]).model_dump()
+
+    # ------------------------------------------------------------------ endpoints
+
+    async def _chat(self, request: Request) -> Response:
+        received_at, received_wall = time.perf_counter(), time.time()
+        req = parse_request(ChatCompletionRequest, await request.body())
+        self._check_model(req.model)
+        scope, seed = await self._check_scope(request, req.seed)
+        call = await self._chat_call(req, scope, seed, received_at, received_wall)
+        return await self._generate(request, call)
+
+    async def _chat_call(
+        self, req: ChatCompletionRequest, scope: tuple[str, str] | None, seed: int | None, received_at: float, received_wall: float
+    ) -> Call:
+        """A chat request rendered to prompt ids (tool prompt, exact prefixes, forced reply start)."""
+        use_tools = bool(req.tools) and req.tool_choice != "none"
+        tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if use_tools else None
+        messages = template_messages(req.messages)
+        turns = await self.recorder.turns(scope) if scope and req.model not in self.frozen else ()
+        template = tool_prompt.MODEL
+        if tool_prompt.needs_builtin(self.policy.supports_tools, messages, tools):
+            messages, template = tool_prompt.builtin_messages(messages, tools, [t.reply_text for t in turns]), tool_prompt.BUILTIN
+        try:
+            prompt = render_prompt(self.policy, messages, tools if template == tool_prompt.MODEL else None, turns)
+        except Exception as exc:  # jinja errors: roles that must alternate, missing fields, ...
+            raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from None
+        forced_text = tool_prompt.forced_prefix(req.tool_choice_json) if use_tools else ""
+        forced = self.policy.tokenizer.encode(forced_text, add_special_tokens=False) if forced_text else []
+        return Call(
+            "chat", req, prompt.ids + forced, scope, tools, prompt.reused, seed, received_at, received_wall,
+            template=template, forced_ids=forced, forced_text=decode(self.policy.tokenizer, forced),
+        )
+
+    async def _completions(self, request: Request) -> Response:
+        received_at, received_wall = time.perf_counter(), time.time()
+        req = parse_request(CompletionRequest, await request.body())
+        self._check_model(req.model)
+        scope, seed = await self._check_scope(request, req.seed)
+        if isinstance(req.prompt, str):
+            prompt_ids = self.policy.tokenizer(req.prompt)["input_ids"]
+        else:
+            vocab = len(self.policy.tokenizer)
+            if max(req.prompt) >= vocab:
+                raise bad_request(f"Token id {max(req.prompt)} is out of range (vocabulary size {vocab}).", param="prompt")
+            prompt_ids = list(req.prompt)
+        if not prompt_ids:
+            raise bad_request("The prompt is empty.", param="prompt")
+        call = Call("completion", req, list(prompt_ids), scope, None, 0, seed, received_at, received_wall)
+        return await self._generate(request, call)
+
+    def _served_name(self, model: str | None) -> str:
+        """The model name an answer carries: the frozen helper's that was asked for, else the policy's."""
+        return model if model in self.frozen else self.policy.name
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise model_not_found(model, self.model_names)
+
+    async def _check_scope(self, request: Request, seed: int | None) -> tuple[tuple[str, str] | None, int | None]:
+        """(rollout_id, attempt_id) of a rollout route, after 404 / 409 checks (None if unscoped),
+        and the call's sampling seed: ``seed`` if given, else derived for a rollout call."""
+        rollout_id = request.path_params.get("rollout_id")
+        if rollout_id is None:
+            return None, seed
+        attempt_id = request.path_params["attempt_id"]
+        if self.store is None:
+            raise not_found("This server has no store, so rollout routes are unavailable; use /v1.")
+        if await self.store.get_rollout_by_id(rollout_id) is None:
+            raise not_found(f"Rollout '{rollout_id}' does not exist.", code="rollout_not_found")
+        attempts = await self.store.query_attempts(rollout_id)
+        attempt = next((a for a in attempts if a.attempt_id == attempt_id), None)
+        if attempt is None:
+            raise not_found(f"Attempt '{attempt_id}' of rollout '{rollout_id}' does not exist.", code="attempt_not_found")
+        if attempt.status in FINISHED_ATTEMPT_STATUSES:
+            raise conflict(f"Attempt '{attempt_id}' of rollout '{rollout_id}' already finished ({attempt.status}).", code="attempt_finished")
+        scope = (rollout_id, attempt_id)
+        call_number = self.call_numbers.next(scope)
+        if seed is None:
+            seed = call_seed(self.seed, rollout_id, charged_attempt_number(attempts, attempt), call_number)
+        return scope, seed
+
+    # ------------------------------------------------------------------ generation, chat and text completions
+
+    def _submit(self, call: Call) -> None:
+        """Check the token budget, submit the call's sequences to the engine and set up its choices."""
+        req = call.req
+        max_tokens = req.completion_budget(len(call.prompt_ids), self.policy.context_length, self.default_max_tokens)
+        engine = self.frozen.get(req.model, self.engine)
+        if req.n > engine.max_batch_size:
+            raise bad_request(f"n={req.n} exceeds the engine's batch size ({engine.max_batch_size}).", param="n")
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=call.seed, top_logprobs=req.n_top_logprobs, ignore_eos=req.ignore_eos
+        )
+        streams = engine.submit(call.prompt_ids, params, n=req.n)
+        tokenizer = self.policy.tokenizer
+        call.choices = [
+            Choice(i, s, OutputAssembler(tokenizer, req.stop_strings, s.stop_ids, top_logprobs=params.top_logprobs > 0), tools=ToolCallParser() if call.tools else None)
+            for i, s in enumerate(streams)
+        ]
+
+    async def _generate(self, request: Request, call: Call) -> Response:
+        self._submit(call)
+        if call.req.stream:
+            return StreamingResponse(self._sse(call), media_type="text/event-stream")
+        try:
+            await unless_disconnected(request, asyncio.gather(*(self._run_choice(call, c) for c in call.choices)))
+        except ClientGone:
+            return Response(status_code=499)
+        finally:
+            for choice in call.choices:
+                choice.stream.cancel()
+        for choice in call.choices:
+            if choice.tools is not None:
+                choice.tools.feed(call.forced_text + choice.out.text)
+                self._settle_tools(choice)
+        await self.recorder.record(call)
+        return JSONResponse(Answer(call, self._served_name(call.req.model), self.policy.tokenizer).whole().model_dump())
+
+    async def _run_choice(self, call: Call, choice: Choice, on_delta: Callable[[Choice, Delta], Awaitable[None]] | None = None) -> None:
+        """Consume one sequence's tokens until it ends or a stop string matches."""
+        out = choice.out
+        async for event in choice.stream:
+            out.add(event.token_id, event.logprob, event.top_logprobs)
+            if out.stop_matched:
+                choice.stream.cancel()  # free the slot now; later tokens are never seen
+                break
+            if on_delta is not None:
+                delta = out.release()
+                if delta.text:
+                    await on_delta(choice, delta)
+        if not out.stop_matched:
+            await choice.stream.wait()
+            out.finish()
+        if choice.stream.finish_reason == "error":
+            raise APIError(500, f"The engine failed while generating this reply: {choice.stream.error}", "server_error", code="engine_error")
+        if choice.stream.finish_reason == "abort" and not out.stop_matched:
+            raise APIError(503, "The engine stopped before this request finished.", "server_error", code="engine_stopped")
+        choice.finish_reason = "stop" if out.stop_matched else choice.stream.finish_reason
+        choice.content = out.text
+
+    @staticmethod
+    def _settle_tools(choice: Choice) -> list[dict]:
+        """The reply's text is all fed to its tool parser: take the content and calls from it."""
+        deltas = choice.tools.finish()
+        choice.content, choice.tool_calls = choice.tools.content, choice.tools.calls
+        if choice.tool_calls and not choice.tools.cut_in_call:  # a call cut short by max_tokens stays "length"
+            choice.finish_reason = "tool_calls"
+        return deltas
+
+    async def _sse(self, call: Call) -> AsyncIterator[str]:
+        """Server-sent events of a streamed call; its choices run concurrently."""
+        answer = Answer(call, self._served_name(call.req.model), self.policy.tokenizer)
+
+        async def run(choice: Choice, put: Callable[[BaseModel], Awaitable[None]]) -> None:
+            async def emit(choice: Choice, delta: Delta) -> None:
+                for chunk in answer.chunks(choice, delta, None if choice.tools is None else choice.tools.feed(delta.text)):
+                    await put(chunk)
+
+            if choice.tools is not None and call.forced_text:  # forced text: its deltas come first
+                await emit(choice, Delta(call.forced_text, [], [], None if choice.out.top_logprobs is None else []))
+            await self._run_choice(call, choice, emit)
+            final = choice.out.release(final=True)
+            chunks = [] if choice.tools is None else answer.chunks(choice, final, choice.tools.feed(final.text) + self._settle_tools(choice))
+            for chunk in chunks + [answer.last(choice, final)]:
+                await put(chunk)
+
+        try:
+            for choice in call.choices:
+                yield sse_line(answer.opening(choice))  # the role / first chunk
+            async with contextlib.aclosing(interleaved([functools.partial(run, choice) for choice in call.choices])) as chunks:
+                async for chunk in chunks:
+                    yield sse_line(chunk)
+            await self.recorder.record(call)
+            if call.req.include_usage:
+                yield sse_line(answer.usage_chunk())
+            yield "data: [DONE]\n\n"
+        except APIError as exc:
+            yield sse_line(exc.body())
+        except Exception as exc:
+            log.exception("unexpected error while streaming")
+            yield sse_line(error_body(f"Internal server error: {type(exc).__name__}: {exc}", "server_error"))
+        finally:
+            for choice in call.choices:
+                choice.stream.cancel()
+

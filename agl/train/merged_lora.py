@@ -1,0 +1,121 @@
+"""LoRA layers run as one merged matmul in the update (``model.lora.train_merged``).
+
+peft runs a LoRA linear as the base matmul, then ``x @ A.T``, ``@ B.T``, a scaling and an add,
+each over every token: the [tokens, 16] products are skinny matmuls that run far below the
+matmul peak, and the scaling and the add stream the layer's whole output twice more. Here the
+layer's forward is one matmul with the merged weight ``W + scale * B @ A`` (built per call from
+the 4-bit weight, as the sampler builds its dense copy: ``agl.policy.sampler_weights``); backward gives x its
+gradient through the same merged weight, and A and B theirs from two skinny products:
+
+    dB = scale * dy.T @ (x @ A.T)        dA = scale * (dy @ B).T @ x
+
+The gradients are peft's, summed in another order; the activations kept for backward are the
+same size (1,945 against 1,960 MiB for a 1,174-token micro-batch without replay). Performance
+(bench/profile_step.py --parts update --rounds 12; AVX2 CPU, fp32; one GRPO micro-batch of
+8 x 128 tokens on a 150-token prompt, forward + backward; BENCHMARKS.md "LoRA layers merged in
+the update"): 0.94x peft's time, median of 12 paired rounds, every round below 1.
+
+``auto`` turns it on where the policy computes in float32, where the merged weight differs from
+the base weight plus the LoRA product by fp32 rounding only, and it is then the very matrix the
+sampler samples from. In bf16 the merge would round the adapter's small delta into bf16 weights:
+a numerics change for training that was not validated, so ``auto`` leaves bf16 on peft's path.
+
+Left out: dropout, DoRA and other LoRA variants, a LoRA bias, several active adapters, mixed
+adapter batches, 8-bit base layers and the output layer; such a layer runs peft's own forward.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from agl.policy.sampler_weights import base_weight
+
+
+class _MergedLinear(torch.autograd.Function):
+    """``y = x @ (W + scale * B @ A).T + bias`` with W rebuilt from ``base`` in forward and in backward
+    (a 4-bit layer keeps no dense copy); gradients for x, A and B."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, base: torch.nn.Module, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        ctx.save_for_backward(x, lora_A, lora_B)
+        ctx.base, ctx.scale, ctx.dtype = base, scale, dtype
+        bias = None if base.bias is None else base.bias.to(dtype)
+        return torch.nn.functional.linear(x.to(dtype), _merged(base, lora_A, lora_B, scale, dtype), bias).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
+        x, lora_A, lora_B = ctx.saved_tensors
+        needs_x, needs_A, needs_B = ctx.needs_input_grad[:3]  # e.g. the first layer's input has no gradient to take
+        grad_x = grad_A = grad_B = None
+        if needs_x:
+            grad_x = (grad_y.to(ctx.dtype) @ _merged(ctx.base, lora_A, lora_B, ctx.scale, ctx.dtype)).to(x.dtype)
+        grad_NO = grad_y.reshape(-1, grad_y.shape[-1]).to(lora_B.dtype)
+        x_NI = x.reshape(-1, x.shape[-1]).to(lora_A.dtype)
+        if needs_B:
+            grad_B = (grad_NO.T @ (x_NI @ lora_A.T)).mul_(ctx.scale)
+        if needs_A:
+            grad_A = ((grad_NO @ lora_B).T @ x_NI).mul_(ctx.scale)
+        return grad_x, grad_A, grad_B, None, None, None
+
+
+def _merged(base: torch.nn.Module, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """The merged weight, summed in fp32 and rounded once, exactly as ``agl.policy.sampler_weights.dense_linear``."""
+    delta = (lora_B.detach() @ lora_A.detach()).float().mul_(scale)
+    return delta.add_(base_weight(base)).to(dtype)  # in place on the product (a sum is the same either way round)
+
+
+def _forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    adapter = _plain_adapter(layer)
+    if adapter is None or args or kwargs:  # anything but one plain LoRA: peft's own forward
+        return type(layer).forward(layer, x, *args, **kwargs)
+    base = layer.get_base_layer()
+    dtype = getattr(base, "compute_dtype", None) or (base.weight.dtype if base.weight.is_floating_point() else x.dtype)  # as the base layer computes
+    return _MergedLinear.apply(x, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight, base, layer.scaling[adapter], dtype)
+
+
+def _plain_adapter(layer: Any) -> str | None:
+    """The layer's one active adapter when it is a plain LoRA (no dropout, variant or bias) that is
+    on and not merged into the base layer; else None."""
+    if layer.disable_adapters or layer.merged or getattr(layer, "fan_in_fan_out", False):
+        return None
+    active = [name for name in layer.active_adapters if name in layer.lora_A]
+    if len(active) != 1:
+        return None
+    (adapter,) = active
+    dropout = layer.lora_dropout[adapter]
+    plain = isinstance(dropout, torch.nn.Identity) or (isinstance(dropout, torch.nn.Dropout) and (dropout.p == 0 or not dropout.training))
+    if not plain or adapter in getattr(layer, "lora_variant", {}) or layer.lora_B[adapter].bias is not None:
+        return None
+    return adapter
+
+
+def merged_layers(model: Any) -> list[Any]:
+    """The LoRA-wrapped linear layers of ``model`` that can run merged: all but the output layer and
+    8-bit layers (bitsandbytes' int8 matmul quantizes the input too: merged, they would compute
+    something else; measured 0.3 % apart in LoRA gradients on the tiny model)."""
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    output = base.get_output_embeddings()
+    return [
+        module for module in base.modules()
+        if isinstance(module, LoraLayer) and isinstance(module.get_base_layer(), torch.nn.Linear) and module is not output
+        and type(module.get_base_layer().weight).__name__ != "Int8Params"
+    ]
+
+
+@contextlib.contextmanager
+def merged_lora_layers(model: Any, enabled: bool = True) -> Iterator[None]:
+    """Within: ``model``'s plain LoRA linear layers run as one merged matmul (``enabled``)."""
+    layers = merged_layers(model) if enabled else []
+    for layer in layers:
+        layer.forward = functools.partial(_forward, layer)  # an instance attribute: the class's forward stays as is
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
