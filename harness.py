@@ -4,6 +4,7 @@ Hydra owns config composition, overrides, sweeps (-m) and run dirs; agl.jobs.dis
 Resume a run in place with `python harness.py resume=<run dir>`; summarize one (or a sweep)
 with `python harness.py report=<dir>`. Sweeps: `python harness.py -m algo.lr=1e-5,3e-5 ...`.
 """
+
 import os
 import sys
 
@@ -35,8 +36,12 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 
 # A resumed run writes into its own dir, and keeps the .hydra/ config it was started with;
 # a report, and a runner process attached to a run, write no config at all.
-OmegaConf.register_new_resolver("agl_run_dir", lambda resume, report, attach, fresh: resume or report or attach or fresh)
-OmegaConf.register_new_resolver("agl_output_subdir", lambda resume, report, attach: None if (resume or report or attach) else ".hydra")
+OmegaConf.register_new_resolver(
+    "agl_run_dir", lambda resume, report, attach, fresh: resume or report or attach or fresh
+)
+OmegaConf.register_new_resolver(
+    "agl_output_subdir", lambda resume, report, attach: None if (resume or report or attach) else ".hydra"
+)
 # Sweeps: the same command line gives the same sweep dir (cached: every job sees the launcher's
 # value) and the same job subdirs, so re-running it skips finished jobs and resumes the rest.
 OmegaConf.register_new_resolver("agl_sweep_id", lambda: sweep_id(), use_cache=True)
@@ -61,7 +66,9 @@ def main(cfg: DictConfig) -> object:
 
 if __name__ == "__main__":
     try:
-        check_launcher(sys.argv[1:], os.path.join(ROOT, "conf"))  # before Hydra: its error for a missing launcher is a page long
+        check_launcher(
+            sys.argv[1:], os.path.join(ROOT, "conf")
+        )  # before Hydra: its error for a missing launcher is a page long
         check_command_line(sys.argv[1:], os.path.join(ROOT, "conf"))  # a mistyped or ill-typed key: one line naming it
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -4,6 +4,7 @@ Agent code needs only ``LLM`` (the endpoint it is given), ``emit_reward``/``emit
 and, optionally, the ``@rollout`` marker; an algorithm of your own reads a rollout's reward back with
 ``final_reward(spans)``. ``run`` runs the harness from Python (a notebook).
 """
+
 from __future__ import annotations
 
 import os

@@ -1,5 +1,6 @@
 """Deprecated: the GRPO update moved to ``agl.train.grpo``, its config to ``agl.config``. This name keeps old
 imports working (``agl.grpo.GRPOConfig``)."""
+
 from agl.config import GRPOConfig
 from agl.train.grpo import GRPOUpdate, advantages, drop_groups
 

@@ -34,6 +34,7 @@ trained token, at a process peak of 1,913 instead of 1,881 MiB; unpinned glibc p
 ``cap_kernel_caches`` bounds what the heaps hold for good: the compiled kernels torch's CPU
 matmuls keep per shape (see there).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -75,7 +76,9 @@ def allocator_library(choice: str) -> str | None:
             if found := find_allocator(name):
                 return found
             if choice == name:
-                raise ConfigError(f"AGL_ALLOCATOR={name}: no {name} library found (Debian/Ubuntu: apt-get install {package})")
+                raise ConfigError(
+                    f"AGL_ALLOCATOR={name}: no {name} library found (Debian/Ubuntu: apt-get install {package})"
+                )
     return None
 
 
@@ -199,7 +202,10 @@ def collect() -> None:
 class Mallinfo2(ctypes.Structure):
     """glibc's ``struct mallinfo2`` (malloc.h): totals over every arena, in bytes."""
 
-    _fields_ = [(name, ctypes.c_size_t) for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()
+    ]
 
 
 def mallinfo() -> Mallinfo2 | None:

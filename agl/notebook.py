@@ -14,6 +14,7 @@ waits for it: every job starts its own loop with ``asyncio.run``, which a runnin
 Left out: sweeps (``-m`` needs Hydra's launcher, which needs a command line: use harness.py) and
 Hydra's logging setup (a notebook keeps its own logging).
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -12,6 +12,7 @@ starts ``runner.processes`` runner processes, and withdraws the entry first when
 ``runner.n=0`` only runner processes run the rollouts; with none of either nothing would, which
 is a ConfigError rather than a wait.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,7 +26,17 @@ from agl.agents.attach import RUNNERS_KEY, runner_entry, runner_pool
 from agl.agents.processes import RunnerProcesses
 from agl.agents.runner import RunnerPool
 from agl.agents.tasks import Task, load_task
-from agl.config import Config, EngineConfig, ModelConfig, RunnerConfig, ServerConfig, TaskConfig, client_api_key, config_record, typed
+from agl.config import (
+    Config,
+    EngineConfig,
+    ModelConfig,
+    RunnerConfig,
+    ServerConfig,
+    TaskConfig,
+    client_api_key,
+    config_record,
+    typed,
+)
 from agl.errors import ConfigError
 from agl.memory import collect
 from agl.policy.engine import Engine
@@ -85,8 +96,17 @@ class Runtime:
     def of(cls, config: Config, run_dir: str | Path, policy: Policy | None = None) -> Runtime:
         """The runtime of a job's typed config (``agl.config.to_typed``): its sections, spread."""
         return cls(
-            run_dir, task=config.task, model=config.model, runner=config.runner, engine=config.engine, server=config.server,
-            seed=config.seed, device=config.device, progress=config.progress, policy=policy, record=config_record(config),
+            run_dir,
+            task=config.task,
+            model=config.model,
+            runner=config.runner,
+            engine=config.engine,
+            server=config.server,
+            seed=config.seed,
+            device=config.device,
+            progress=config.progress,
+            policy=policy,
+            record=config_record(config),
         )
 
     async def record_config(self) -> None:
@@ -109,16 +129,27 @@ class Runtime:
         self.engine = Engine(self.policy, **engine_options)
         await self.engine.start()
         frozen_names = list(self.server_config.frozen_models or [])
-        if frozen_names:  # one engine on the base weights serves every frozen name; its dense copy is built on first use
+        if (
+            frozen_names
+        ):  # one engine on the base weights serves every frozen name; its dense copy is built on first use
             self.frozen_engine = Engine(self.policy, adapter=False, **engine_options)
             await self.frozen_engine.start()
         self.server = ModelServer(
-            self.engine, self.policy, self.store, self.server_config, seed=self.seed, frozen={name: self.frozen_engine for name in frozen_names},
+            self.engine,
+            self.policy,
+            self.store,
+            self.server_config,
+            seed=self.seed,
+            frozen={name: self.frozen_engine for name in frozen_names},
         )
         await self.server.start()
         entry = runner_entry(
-            self.server.rollout_base_url("{rollout_id}", "{attempt_id}"), self.policy.name, client_api_key(self.server_config),
-            self.store.session_id, self.task_config, self.default_sampling(),
+            self.server.rollout_base_url("{rollout_id}", "{attempt_id}"),
+            self.policy.name,
+            client_api_key(self.server_config),
+            self.store.session_id,
+            self.task_config,
+            self.default_sampling(),
         )
         self.runners = runner_pool(self.runner_config.n, self.store, entry, self.task.agent)
         await self.runners.__aenter__()
@@ -188,7 +219,11 @@ class Runtime:
             rollouts = list(existing)
         else:
             rollouts = await self.store.enqueue_rollouts(
-                list(inputs), mode=mode, resources_id=resources_id, config=self.rollout_config(), metadata=list(metadata)
+                list(inputs),
+                mode=mode,
+                resources_id=resources_id,
+                config=self.rollout_config(),
+                metadata=list(metadata),
             )
         ids = [r.rollout_id for r in rollouts]
         done: dict[str, Rollout] = {}

@@ -12,6 +12,7 @@ Two sources, both derived from the run's ``seed``:
   then depends on what it is, not on when asyncio or the engine's batch happened to run it.
   A request's own ``seed`` is used as given.
 """
+
 from __future__ import annotations
 
 import collections

@@ -88,9 +88,7 @@ class AttemptStatus(StrEnum):
     UNRESPONSIVE = "unresponsive"  # no heartbeat for config.unresponsive_seconds, or its harness ended (R7)
 
 
-TERMINAL_ROLLOUT_STATUSES = frozenset(
-    {RolloutStatus.SUCCEEDED, RolloutStatus.FAILED, RolloutStatus.CANCELLED}
-)
+TERMINAL_ROLLOUT_STATUSES = frozenset({RolloutStatus.SUCCEEDED, RolloutStatus.FAILED, RolloutStatus.CANCELLED})
 QUEUED_ROLLOUT_STATUSES = frozenset({RolloutStatus.QUEUING, RolloutStatus.REQUEUING})
 ACTIVE_ATTEMPT_STATUSES = frozenset({AttemptStatus.PREPARING, AttemptStatus.RUNNING})
 

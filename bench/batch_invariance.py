@@ -9,6 +9,7 @@ tokens and log-probs as sampling it alone; the batched one need not. Writes
 ``bench/results/batch_invariance.{md,json}``; the ratio is the figure to quote (absolute
 times move with this shared machine's speed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,7 +34,10 @@ async def main(args: argparse.Namespace) -> dict:
     policy = load_model(compute_dtype=args.dtype)
     rows = gsm8k_prompts("test", args.seqs)
     prompts = [policy.render_chat([{"role": "user", "content": r["prompt_text"]}]) for r in rows]
-    engines = {mode: Engine(policy, max_batch_size=64, batch_invariant=(mode == "invariant")) for mode in ("batched", "invariant")}
+    engines = {
+        mode: Engine(policy, max_batch_size=64, batch_invariant=(mode == "invariant"))
+        for mode in ("batched", "invariant")
+    }
     for engine in engines.values():
         await engine.start()
     await sample(engines["batched"], prompts[:2], 4)  # warm-up (merges the sampler weights)

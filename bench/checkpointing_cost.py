@@ -7,6 +7,7 @@ bench/memory.py --phases' (BENCHMARKS.md "Memory of the default job").
 
     PYTHONPATH=. .venv/bin/python bench/checkpointing_cost.py       # ~3 min; writes bench/results/checkpointing_cost.{md,json}
 """
+
 from __future__ import annotations
 
 import os
@@ -42,25 +43,48 @@ def main() -> None:
     policy = load_model("smollm2")
     rng = random.Random(0)
     samples = [
-        Sample(rollout_id=str(i), prompt_ids=list(range(1000, 1000 + PROMPT)), completion_ids=[rng.randint(100, 40000) for _ in range(args.tokens)],
-               mask=[1] * args.tokens, logprobs=[-1.0] * args.tokens, reward=float(i % 2), truncated=False, group="g")
+        Sample(
+            rollout_id=str(i),
+            prompt_ids=list(range(1000, 1000 + PROMPT)),
+            completion_ids=[rng.randint(100, 40000) for _ in range(args.tokens)],
+            mask=[1] * args.tokens,
+            logprobs=[-1.0] * args.tokens,
+            reward=float(i % 2),
+            truncated=False,
+            group="g",
+        )
         for i in range(ROWS)
     ]
     advantages = [1.0 if i % 2 else -1.0 for i in range(ROWS)]
     runs: dict[str, list[dict]] = {"on": [], "off": []}
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for name in ("on", "off") if round_ % 2 == 0 else ("off", "on"):
-            update = grpo.GRPOUpdate(policy, grpo.GRPOConfig(lr=0.0, loss_type="dapo", gradient_checkpointing=name == "on"))
+            update = grpo.GRPOUpdate(
+                policy, grpo.GRPOConfig(lr=0.0, loss_type="dapo", gradient_checkpointing=name == "on")
+            )
             start = time.perf_counter()
             metrics = update.step(samples, advantages)
-            row = {"step_s": time.perf_counter() - start, "forward_s": metrics["forward_s"], "backward_s": metrics["backward_s"], "tokens": metrics["train_input_tokens"]}
+            row = {
+                "step_s": time.perf_counter() - start,
+                "forward_s": metrics["forward_s"],
+                "backward_s": metrics["backward_s"],
+                "tokens": metrics["train_input_tokens"],
+            }
             print(f"round {round_}, checkpointing {name}: {row['step_s']:.1f} s", flush=True)
             if round_:
                 runs[name].append(row)
     med = {name: {key: statistics.median(r[key] for r in rows) for key in rows[0]} for name, rows in runs.items()}
     ratio = statistics.median(on["step_s"] / off["step_s"] for on, off in zip(runs["on"], runs["off"]))
-    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cpu": torch.backends.cpu.get_cpu_capability(), "threads": torch.get_num_threads(),
-              "tokens": args.tokens, "rounds": args.rounds, "median": med, "on_over_off": ratio, "runs": runs}
+    result = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "tokens": args.tokens,
+        "rounds": args.rounds,
+        "median": med,
+        "on_over_off": ratio,
+        "runs": runs,
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "checkpointing_cost.json").write_text(json.dumps(result, indent=1) + "\n")
     tokens = med["on"]["tokens"]
@@ -72,7 +96,10 @@ def main() -> None:
         "",
         "| `algo.gradient_checkpointing` | update s | forward s | backward s | ms per token run |",
         "|---|---:|---:|---:|---:|",
-        *(f"| {name} | {m['step_s']:.1f} | {m['forward_s']:.1f} | {m['backward_s']:.1f} | {1000 * m['step_s'] / m['tokens']:.1f} |" for name, m in med.items()),
+        *(
+            f"| {name} | {m['step_s']:.1f} | {m['forward_s']:.1f} | {m['backward_s']:.1f} | {1000 * m['step_s'] / m['tokens']:.1f} |"
+            for name, m in med.items()
+        ),
         "",
         f"**on / off = {ratio:.2f}** (median of the per-round ratios).",
     ]

@@ -2,6 +2,7 @@
 
 Benchmarks run as scripts from the project root with ``PYTHONPATH=.`` (see each one's docstring).
 """
+
 from __future__ import annotations
 
 import time
@@ -86,7 +87,12 @@ def decode_inputs(config: Any, rows: int, cached: int) -> tuple:
     kv_heads, head_dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
     shape = (rows, kv_heads, cached, head_dim)
     cache = cache_from_tensors([(torch.randn(shape), torch.randn(shape)) for _ in range(config.num_hidden_layers)])
-    return torch.randint(0, 1000, (rows,)), torch.full((rows,), cached), torch.ones(rows, cached + 1, dtype=torch.long), cache
+    return (
+        torch.randint(0, 1000, (rows,)),
+        torch.full((rows,), cached),
+        torch.ones(rows, cached + 1, dtype=torch.long),
+        cache,
+    )
 
 
 def drop_appended(cache: Any, cached: int) -> None:

@@ -12,6 +12,7 @@ Writes bench/results/decode_shards.{md,json}.
 
     PYTHONPATH=. .venv/bin/python bench/decode_shards.py        # ~1 min
 """
+
 from __future__ import annotations
 
 import os
@@ -58,7 +59,10 @@ def main() -> None:
     levels = []
     with torch.inference_mode():
         for rows in args.rows:
-            whole, halves = decode_inputs(config, rows, args.cached), [decode_inputs(config, rows // 2, args.cached) for _ in range(2)]
+            whole, halves = (
+                decode_inputs(config, rows, args.cached),
+                [decode_inputs(config, rows // 2, args.cached) for _ in range(2)],
+            )
             variants = {
                 "one batch": lambda: run(whole),
                 "two halves": lambda: single_threaded(lambda: list(pool.map(run, halves))),
@@ -70,9 +74,21 @@ def main() -> None:
             for round_ in range(args.rounds):
                 for name in list(variants) if round_ % 2 == 0 else list(variants)[::-1]:
                     times[name].append(timed(variants[name]))
-            levels.append({"rows": rows, "ms": {name: 1e3 * statistics.median(t) for name, t in times.items()}, "all_ms": {n: [1e3 * x for x in t] for n, t in times.items()}})
+            levels.append(
+                {
+                    "rows": rows,
+                    "ms": {name: 1e3 * statistics.median(t) for name, t in times.items()},
+                    "all_ms": {n: [1e3 * x for x in t] for n, t in times.items()},
+                }
+            )
             print(rows, {name: round(ms) for name, ms in levels[-1]["ms"].items()}, flush=True)
-    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "cached": args.cached, "threads": threads, "cpu": torch.backends.cpu.get_cpu_capability(), "levels": levels}
+    result = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "cached": args.cached,
+        "threads": threads,
+        "cpu": torch.backends.cpu.get_cpu_capability(),
+        "levels": levels,
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "decode_shards.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [
@@ -86,7 +102,9 @@ def main() -> None:
     ]
     for lv in levels:
         ms = lv["ms"]
-        lines.append(f"| {lv['rows']} | {ms['one batch']:.0f} | {ms['two halves']:.0f} | {ms['one thread']:.0f} | {ms['two halves'] / ms['one batch']:.2f} |")
+        lines.append(
+            f"| {lv['rows']} | {ms['one batch']:.0f} | {ms['two halves']:.0f} | {ms['one thread']:.0f} | {ms['two halves'] / ms['one batch']:.2f} |"
+        )
     (RESULTS / "decode_shards.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -19,6 +19,7 @@ Writes bench/results/engine_ab.md and .json.
     PYTHONPATH=. .venv/bin/python bench/engine_ab.py --baseline 6d4bb33          # ~10 min
     PYTHONPATH=. .venv/bin/python bench/engine_ab.py --baseline 6d4bb33 --mmap-threshold 33554432
 """
+
 from __future__ import annotations
 
 import argparse
@@ -57,7 +58,10 @@ def worker(args: argparse.Namespace) -> dict:
     policy = load_policy(model_config(args.model), "cpu")
     policy.model.eval()
     lengths = random.Random(args.seed).choices(range(args.min_tokens, args.max_tokens + 1), k=args.requests)
-    prompts = [policy.render_chat([{"role": "user", "content": row["prompt_text"]}]) for row in gsm8k_prompts("test", args.requests)]
+    prompts = [
+        policy.render_chat([{"role": "user", "content": row["prompt_text"]}])
+        for row in gsm8k_prompts("test", args.requests)
+    ]
 
     async def run() -> tuple[list[list[int]], float]:
         engine = Engine(policy)
@@ -68,7 +72,9 @@ def worker(args: argparse.Namespace) -> dict:
         async def client() -> None:
             while queue:
                 i = queue.pop(0)
-                (seq,) = engine.submit(prompts[i], SamplingParams(max_tokens=lengths[i], temperature=0.0, ignore_eos=True))
+                (seq,) = engine.submit(
+                    prompts[i], SamplingParams(max_tokens=lengths[i], temperature=0.0, ignore_eos=True)
+                )
                 tokens[i] = (await seq.wait()).token_ids
 
         try:
@@ -115,12 +121,29 @@ def main(args: argparse.Namespace) -> None:
 
     with tempfile.TemporaryDirectory() as scratch:
         baseline = Path(scratch) / "baseline"
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(baseline), args.baseline], check=True, capture_output=True)
-        rev = subprocess.run(["git", "-C", str(baseline), "rev-parse", "--short", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
-        head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
-        arms = [{"name": f"baseline {rev}", "tree": str(baseline), "env": {}}, {"name": f"this tree ({head}+)", "tree": str(ROOT), "env": {}}]
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(baseline), args.baseline],
+            check=True,
+            capture_output=True,
+        )
+        rev = subprocess.run(
+            ["git", "-C", str(baseline), "rev-parse", "--short", "HEAD"], check=True, capture_output=True, text=True
+        ).stdout.strip()
+        head = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], check=True, capture_output=True, text=True
+        ).stdout.strip()
+        arms = [
+            {"name": f"baseline {rev}", "tree": str(baseline), "env": {}},
+            {"name": f"this tree ({head}+)", "tree": str(ROOT), "env": {}},
+        ]
         if args.mmap_threshold:
-            arms.append({"name": f"this tree, mmap threshold {args.mmap_threshold}", "tree": str(ROOT), "env": {"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)}})
+            arms.append(
+                {
+                    "name": f"this tree, mmap threshold {args.mmap_threshold}",
+                    "tree": str(ROOT),
+                    "env": {"MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)},
+                }
+            )
         probes = [matmul_probe(torch.bfloat16)]
         runs: dict[str, list[dict]] = {arm["name"]: [] for arm in arms}
         try:
@@ -128,7 +151,10 @@ def main(args: argparse.Namespace) -> None:
                 for arm in arms if round_ % 2 == 0 else arms[::-1]:
                     result = run_arm(arm, args)
                     runs[arm["name"]].append(result)
-                    print(f"round {round_ + 1}, {arm['name']}: {result['tokens_per_s']:.1f} tok/s, peak {result['peak_rss_mib']:.0f} MiB, sys {result['system_s']:.0f} s", flush=True)
+                    print(
+                        f"round {round_ + 1}, {arm['name']}: {result['tokens_per_s']:.1f} tok/s, peak {result['peak_rss_mib']:.0f} MiB, sys {result['system_s']:.0f} s",
+                        flush=True,
+                    )
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(baseline)], check=False)
         probes.append(matmul_probe(torch.bfloat16))
@@ -136,14 +162,26 @@ def main(args: argparse.Namespace) -> None:
     first = runs[arms[0]["name"]][0]["hashes"]
     summary = []
     for name, arm_runs in runs.items():
-        median = {key: statistics.median(r[key] for r in arm_runs) for key in ("wall_s", "tokens_per_s", "user_s", "system_s", "peak_rss_mib", "rss_after_load_mib")}
+        median = {
+            key: statistics.median(r[key] for r in arm_runs)
+            for key in ("wall_s", "tokens_per_s", "user_s", "system_s", "peak_rss_mib", "rss_after_load_mib")
+        }
         same = statistics.mean(sum(a == b for a, b in zip(r["hashes"], first)) / len(first) for r in arm_runs)
-        summary.append({"arm": name, **median, "same_tokens_as_baseline": same, "runs": [{k: v for k, v in r.items() if k != "hashes"} for r in arm_runs]})
+        summary.append(
+            {
+                "arm": name,
+                **median,
+                "same_tokens_as_baseline": same,
+                "runs": [{k: v for k, v in r.items() if k != "hashes"} for r in arm_runs],
+            }
+        )
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": platform.processor() or platform.machine(),
         "bf16_gflop_s_before_after": probes,
-        "workload": {k: getattr(args, k) for k in ("model", "requests", "clients", "min_tokens", "max_tokens", "seed", "rounds")},
+        "workload": {
+            k: getattr(args, k) for k in ("model", "requests", "clients", "min_tokens", "max_tokens", "seed", "rounds")
+        },
         "arms": summary,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
@@ -173,7 +211,12 @@ def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--baseline", default="HEAD", help="git revision of the baseline arm")
-    parser.add_argument("--mmap-threshold", type=int, default=0, help="also run this tree with MALLOC_MMAP_THRESHOLD_ at this many bytes")
+    parser.add_argument(
+        "--mmap-threshold",
+        type=int,
+        default=0,
+        help="also run this tree with MALLOC_MMAP_THRESHOLD_ at this many bytes",
+    )
     parser.add_argument("--rounds", type=int, default=2)
     workload = parser.add_argument_group("workload (passed to every arm)")
     workload.add_argument("--model", default="smollm2")
@@ -184,7 +227,8 @@ def parse() -> argparse.Namespace:
     workload.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     args.passthrough = [
-        f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("model", "requests", "clients", "min_tokens", "max_tokens", "seed")
+        f"--{k.replace('_', '-')}={getattr(args, k)}"
+        for k in ("model", "requests", "clients", "min_tokens", "max_tokens", "seed")
     ]
     return args
 

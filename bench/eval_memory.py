@@ -25,6 +25,7 @@ Writes bench/results/eval_memory.{md,json} (eval_memory_arena_max_N.* or
 eval_memory_collect_every_N.* with those options). ~4 min for 160
 problems on the AMX machine.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,7 +42,11 @@ import tempfile
 import time
 
 from agl.config import to_typed
-from agl.memory import _libc_function, mallinfo, release_freed_memory  # the cached libc lookup agl's mallopt and malloc_trim use
+from agl.memory import (
+    _libc_function,
+    mallinfo,
+    release_freed_memory,
+)  # the cached libc lookup agl's mallopt and malloc_trim use
 from bench.common import RESULTS, ROOT
 
 M_ARENA_MAX = -8  # mallopt parameter, from glibc's malloc.h
@@ -96,9 +101,15 @@ async def measure(problems: int, interval: float, overrides: list[str]) -> dict:
             started = time.perf_counter()
 
             def sample() -> dict:
-                return {"s": round(time.perf_counter() - started, 1), "rss_mib": process.memory_info().rss >> 20, "file_backed_mib": file_backed_mib(),
-                        "kv_buffers_mib": kv_buffer_bytes(rt.engine) >> 20, "rows": rt.engine.num_running, **heap(),
-                        "full_gcs": full_collections}
+                return {
+                    "s": round(time.perf_counter() - started, 1),
+                    "rss_mib": process.memory_info().rss >> 20,
+                    "file_backed_mib": file_backed_mib(),
+                    "kv_buffers_mib": kv_buffer_bytes(rt.engine) >> 20,
+                    "rows": rt.engine.num_running,
+                    **heap(),
+                    "full_gcs": full_collections,
+                }
 
             async def monitor() -> None:
                 while True:
@@ -107,8 +118,11 @@ async def measure(problems: int, interval: float, overrides: list[str]) -> dict:
 
             watcher = asyncio.create_task(monitor())
             scores = await evaluate_rows(
-                rt, rows, resources=rt.task.resources_for(cfg.task.prompt),
-                sampling={"temperature": 0.0, "max_tokens": cfg.task.max_tokens}, tag={"eval_step": 0},
+                rt,
+                rows,
+                resources=rt.task.resources_for(cfg.task.prompt),
+                sampling={"temperature": 0.0, "max_tokens": cfg.task.max_tokens},
+                tag={"eval_step": 0},
             )
             watcher.cancel()
             at_end = sample()
@@ -120,29 +134,40 @@ async def measure(problems: int, interval: float, overrides: list[str]) -> dict:
         shutil.rmtree(run_dir, ignore_errors=True)
     first = samples[0]
     return {
-        "problems": problems, "seconds": collected["s"], "completion_tokens": completion_tokens,
-        "peak_rss_mib": round(peak_rss_mib()), "at_start": first, "at_end": at_end, "after_gc_and_trim": collected,
+        "problems": problems,
+        "seconds": collected["s"],
+        "completion_tokens": completion_tokens,
+        "peak_rss_mib": round(peak_rss_mib()),
+        "at_start": first,
+        "at_end": at_end,
+        "after_gc_and_trim": collected,
         "heap_growth_per_rollout_mib": (collected["heap_in_use_mib"] - first["heap_in_use_mib"]) / problems,
-        "max_kv_buffers_mib": max(s["kv_buffers_mib"] for s in samples), "samples": samples,
+        "max_kv_buffers_mib": max(s["kv_buffers_mib"] for s in samples),
+        "samples": samples,
     }
 
 
 def markdown(result: dict, command: str) -> str:
     lines = [
-        "# An eval's resident memory over time", "",
+        "# An eval's resident memory over time",
+        "",
         f"{result['date']}. `{command}`. The GRPO job's greedy eval (store, engine, HTTP route, 32 runners, the GSM8K agent) "
         f"on the first {result['problems']} test problems, set up as harness.py is; {result['seconds']:.0f} s, "
         f"{result['completion_tokens']} completion tokens. Process peak RSS {result['peak_rss_mib']} MiB; the KV buffers peaked at "
         f"{result['max_kv_buffers_mib']} MiB. Heap in use grew by **{result['heap_growth_per_rollout_mib']:.2f} MiB per rollout** "
-        "(start of the eval to its end, after a full garbage collection and malloc_trim).", "",
+        "(start of the eval to its end, after a full garbage collection and malloc_trim).",
+        "",
         "| when | s | RSS MiB | of it file-backed MiB | KV buffers MiB | rows | glibc arenas MiB | in use there MiB | glibc mmapped MiB | full GCs |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     step = max(1, len(result["samples"]) // 12)
     picked = [("during", s) for s in result["samples"][::step]]
     picked += [("end", result["at_end"]), ("after gc + trim", result["after_gc_and_trim"])]
-    lines += [f"| {when} | {s['s']:.0f} | {s['rss_mib']} | {s['file_backed_mib']} | {s['kv_buffers_mib']} | {s['rows']} | {s['arenas_mib']} | {s['heap_in_use_mib']} | "
-              f"{s['mmapped_mib']} | {s['full_gcs']} |" for when, s in picked]
+    lines += [
+        f"| {when} | {s['s']:.0f} | {s['rss_mib']} | {s['file_backed_mib']} | {s['kv_buffers_mib']} | {s['rows']} | {s['arenas_mib']} | {s['heap_in_use_mib']} | "
+        f"{s['mmapped_mib']} | {s['full_gcs']} |"
+        for when, s in picked
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -150,8 +175,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--problems", type=int, default=160)
     parser.add_argument("--interval", type=float, default=5.0)
-    parser.add_argument("--collect-every", type=int, default=None, help="runner.collect_every (finished rollouts between full GCs + malloc_trim); default: the config's")
-    parser.add_argument("--arena-max", type=int, default=0, help="glibc's M_ARENA_MAX (malloc arenas for all threads); 0: glibc's default, 8 per core")
+    parser.add_argument(
+        "--collect-every",
+        type=int,
+        default=None,
+        help="runner.collect_every (finished rollouts between full GCs + malloc_trim); default: the config's",
+    )
+    parser.add_argument(
+        "--arena-max",
+        type=int,
+        default=0,
+        help="glibc's M_ARENA_MAX (malloc arenas for all threads); 0: glibc's default, 8 per core",
+    )
     args = parser.parse_args()
     release_freed_memory()  # as harness.py, before torch allocates
     if args.arena_max:
@@ -159,10 +194,19 @@ def main() -> None:
     overrides = [] if args.collect_every is None else [f"runner.collect_every={args.collect_every}"]
     result = asyncio.run(measure(args.problems, args.interval, overrides))
     result["date"] = datetime.datetime.now().isoformat(timespec="seconds")
-    command = f"PYTHONPATH=. .venv/bin/python bench/eval_memory.py --problems {args.problems}" + (f" --arena-max {args.arena_max}" if args.arena_max else "") + (f" --interval {args.interval:g}" if args.interval != 5.0 else "") + (f" --collect-every {args.collect_every}" if args.collect_every is not None else "")
+    command = (
+        f"PYTHONPATH=. .venv/bin/python bench/eval_memory.py --problems {args.problems}"
+        + (f" --arena-max {args.arena_max}" if args.arena_max else "")
+        + (f" --interval {args.interval:g}" if args.interval != 5.0 else "")
+        + (f" --collect-every {args.collect_every}" if args.collect_every is not None else "")
+    )
     result["arena_max"], result["collect_every"] = args.arena_max, args.collect_every
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = "eval_memory" + (f"_arena_max_{args.arena_max}" if args.arena_max else "") + (f"_collect_every_{args.collect_every}" if args.collect_every is not None else "")
+    name = (
+        "eval_memory"
+        + (f"_arena_max_{args.arena_max}" if args.arena_max else "")
+        + (f"_collect_every_{args.collect_every}" if args.collect_every is not None else "")
+    )
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
     text = markdown(result, command)
     (RESULTS / f"{name}.md").write_text(text)

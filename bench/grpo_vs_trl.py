@@ -27,6 +27,7 @@ Results go to ``bench/results/grpo_vs_trl_<new tokens>[_trl_<malloc>][_no_checkp
     PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py --new-tokens 256
     PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py --rounds 1 --steps 1 --new-tokens 16   # a smoke test
 """
+
 from __future__ import annotations
 
 import os
@@ -46,12 +47,22 @@ import time
 from importlib import metadata
 
 from agl.config import to_typed
-from agl.memory import ALLOCATORS, active_allocator, cap_kernel_caches, peak_rss_mib, preload_allocator, release_freed_memory
+from agl.memory import (
+    ALLOCATORS,
+    active_allocator,
+    cap_kernel_caches,
+    peak_rss_mib,
+    preload_allocator,
+    release_freed_memory,
+)
 from bench.common import RESULTS, ROOT, gsm8k_prompts, load_model, matmul_probe, time_method
 
 GFLOP_PER_TOKEN = 0.27  # forward, 2 x 135M parameters; backward counted as 2 x forward
 B, G, LR, POOL = 4, 8, 1e-5, 64
-EPSILON, EPSILON_HIGH = 0.2, 0.28  # agl's GRPOConfig defaults; given to TRL too (whose epsilon_high defaults to epsilon)
+EPSILON, EPSILON_HIGH = (
+    0.2,
+    0.28,
+)  # agl's GRPOConfig defaults; given to TRL too (whose epsilon_high defaults to epsilon)
 
 # system -> the model.compute_dtype it is run with ("auto": agl's resolution)
 SYSTEMS = {"agl": "auto", "trl": "auto", "trl-fp32": "float32"}
@@ -90,13 +101,26 @@ def run_agl(steps: int, new_tokens: int, gradient_checkpointing: bool) -> dict:
     from agl.train.grpo_trainer import GRPOTrainer
 
     overrides = [
-        "task=gsm8k", "algo=grpo", "progress=false", f"task.max_tokens={new_tokens}", "task.eval_size=0",
-        f"algo.batch_size={B}", f"algo.group_size={G}", f"algo.lr={LR}", "algo.loss_type=dapo", "algo.temperature=1.0",
-        f"algo.epsilon={EPSILON}", f"algo.epsilon_high={EPSILON_HIGH}",
-        "algo.beta=0", "algo.num_iterations=1", "algo.eval_every=0", f"algo.steps={steps + 1}",  # micro-batches: agl's default token budget
+        "task=gsm8k",
+        "algo=grpo",
+        "progress=false",
+        f"task.max_tokens={new_tokens}",
+        "task.eval_size=0",
+        f"algo.batch_size={B}",
+        f"algo.group_size={G}",
+        f"algo.lr={LR}",
+        "algo.loss_type=dapo",
+        "algo.temperature=1.0",
+        f"algo.epsilon={EPSILON}",
+        f"algo.epsilon_high={EPSILON_HIGH}",
+        "algo.beta=0",
+        "algo.num_iterations=1",
+        "algo.eval_every=0",
+        f"algo.steps={steps + 1}",  # micro-batches: agl's default token budget
         f"algo.gradient_checkpointing={str(gradient_checkpointing).lower()}",
         "algo.warmup.steps=0",  # gsm8k's recipe has an SFT warm-up; train_step is called directly, so build none
-        "runner.n=32", "algo.drop_zero_std=false",  # the same work as TRL, which updates on every group
+        "runner.n=32",
+        "algo.drop_zero_std=false",  # the same work as TRL, which updates on every group
     ]
     register_configs()  # the schemas conf/ names
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
@@ -116,18 +140,24 @@ def run_agl(steps: int, new_tokens: int, gradient_checkpointing: bool) -> dict:
                     total = time.perf_counter() - start
                     logprob = m.get("old_logprob_s", 0.0) + m.get("ref_s", 0.0) + m.get("forward_s", 0.0)
                     backward_optimizer = m.get("backward_s", 0.0) + m.get("optimizer_s", 0.0)
-                    rows.append({
-                        "warmup": step == 0,
-                        "step_s": total,
-                        "completion_tokens": m["completion_len_mean"] * m["rollouts"],
-                        "generation_s": m["time_rollout_s"],
-                        "logprob_s": logprob,
-                        "backward_optimizer_s": backward_optimizer,
-                        "overhead_s": total - m["time_rollout_s"] - logprob - backward_optimizer,
-                        "prompt_tokens": m.get("prompt_tokens", 0),  # prefilled by the engine (a group's prompt once)
-                        "train_tokens": m.get("train_input_tokens", 0),  # run through the update (a group's prompt once)
-                        "reward_mean": m["reward_mean"],
-                    })
+                    rows.append(
+                        {
+                            "warmup": step == 0,
+                            "step_s": total,
+                            "completion_tokens": m["completion_len_mean"] * m["rollouts"],
+                            "generation_s": m["time_rollout_s"],
+                            "logprob_s": logprob,
+                            "backward_optimizer_s": backward_optimizer,
+                            "overhead_s": total - m["time_rollout_s"] - logprob - backward_optimizer,
+                            "prompt_tokens": m.get(
+                                "prompt_tokens", 0
+                            ),  # prefilled by the engine (a group's prompt once)
+                            "train_tokens": m.get(
+                                "train_input_tokens", 0
+                            ),  # run through the update (a group's prompt once)
+                            "reward_mean": m["reward_mean"],
+                        }
+                    )
                 return rows
 
     return {"steps": asyncio.run(main())}
@@ -155,7 +185,9 @@ def run_trl(steps: int, new_tokens: int, gradient_checkpointing: bool, compute_d
 
     policy = load_model("smollm2", compute_dtype)  # the same NF4 base + fresh LoRA r16 as agl's
     pool = gsm8k_prompts("train", POOL)
-    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": r["prompt_text"]}], "gold": r["gold"]} for r in pool])
+    dataset = Dataset.from_list(
+        [{"prompt": [{"role": "user", "content": r["prompt_text"]}], "gold": r["gold"]} for r in pool]
+    )
 
     def reward_fn(completions, gold, **_):
         return [gsm8k_reward(c[0]["content"] if isinstance(c, list) else c, g) for c, g in zip(completions, gold)]
@@ -173,30 +205,57 @@ def run_trl(steps: int, new_tokens: int, gradient_checkpointing: bool, compute_d
             end = time.perf_counter()
             total = end - timings["start"]
             logprob = timings["compute_loss"] + timings["logps_outside_loss"]
-            backward_optimizer = (timings["training_step"] - timings["prepare_inputs"] - timings["compute_loss"]) + (end - timings["training_step_end"])
+            backward_optimizer = (timings["training_step"] - timings["prepare_inputs"] - timings["compute_loss"]) + (
+                end - timings["training_step_end"]
+            )
             rewards = holder["trainer"]._metrics["train"].get("reward") or [0.0]
-            rows.append({
-                "warmup": not rows,
-                "step_s": total,
-                "completion_tokens": timings["completion_tokens"],
-                "generation_s": timings["generate"],
-                "logprob_s": logprob,
-                "backward_optimizer_s": backward_optimizer,
-                "overhead_s": total - timings["generate"] - logprob - backward_optimizer,
-                "prompt_tokens": timings["prompt_tokens"],  # prefilled by model.generate: every row's prompt
-                "train_tokens": timings["train_tokens"],  # unpadded prompt + completion tokens of every row
-                "reward_mean": rewards[-1],
-            })
+            rows.append(
+                {
+                    "warmup": not rows,
+                    "step_s": total,
+                    "completion_tokens": timings["completion_tokens"],
+                    "generation_s": timings["generate"],
+                    "logprob_s": logprob,
+                    "backward_optimizer_s": backward_optimizer,
+                    "overhead_s": total - timings["generate"] - logprob - backward_optimizer,
+                    "prompt_tokens": timings["prompt_tokens"],  # prefilled by model.generate: every row's prompt
+                    "train_tokens": timings["train_tokens"],  # unpadded prompt + completion tokens of every row
+                    "reward_mean": rewards[-1],
+                }
+            )
 
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            output_dir=out, per_device_train_batch_size=B * G, gradient_accumulation_steps=1, num_generations=G,
-            max_completion_length=new_tokens, learning_rate=LR, max_steps=steps + 1, temperature=1.0, beta=0.0,
-            num_iterations=1, loss_type="dapo", epsilon=EPSILON, epsilon_high=EPSILON_HIGH,
+            output_dir=out,
+            per_device_train_batch_size=B * G,
+            gradient_accumulation_steps=1,
+            num_generations=G,
+            max_completion_length=new_tokens,
+            learning_rate=LR,
+            max_steps=steps + 1,
+            temperature=1.0,
+            beta=0.0,
+            num_iterations=1,
+            loss_type="dapo",
+            epsilon=EPSILON,
+            epsilon_high=EPSILON_HIGH,
             activation_checkpointing=gradient_checkpointing,  # transformers 5's name; TRL's default (gradient_checkpointing) is on
-            logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0, dataloader_num_workers=0,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            bf16=False,
+            seed=0,
+            dataloader_num_workers=0,
         )
-        trainer = GRPOTrainer(model=policy.model, reward_funcs=reward_fn, args=args, train_dataset=dataset, processing_class=policy.tokenizer, callbacks=[StepTimer()])
+        trainer = GRPOTrainer(
+            model=policy.model,
+            reward_funcs=reward_fn,
+            args=args,
+            train_dataset=dataset,
+            processing_class=policy.tokenizer,
+            callbacks=[StepTimer()],
+        )
         holder["trainer"] = trainer
         # TRL casts a quantized model's trainable (LoRA) weights to bf16, the QLoRA recipe. agl trains them in
         # fp32; with fp32 compute, bf16 LoRA weights would put bf16 matmuls back into every layer (slow where
@@ -205,13 +264,20 @@ def run_trl(steps: int, new_tokens: int, gradient_checkpointing: bool, compute_d
             for p in trainer.model.parameters():
                 if p.requires_grad and p.dtype != torch.float32:
                     p.data = p.data.float()
-        adapter_dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in trainer.model.parameters() if p.requires_grad})
+        adapter_dtypes = sorted(
+            {str(p.dtype).removeprefix("torch.") for p in trainer.model.parameters() if p.requires_grad}
+        )
 
         time_method(trainer, "_generate", "generate", timings)
         time_method(trainer, "_prepare_inputs", "prepare_inputs", timings)
         time_method(trainer, "compute_loss", "compute_loss", timings)
         in_loss = [False]
-        compute_loss, logps, training_step, generate = trainer.compute_loss, trainer._get_per_token_logps_and_entropies, trainer.training_step, trainer._generate
+        compute_loss, logps, training_step, generate = (
+            trainer.compute_loss,
+            trainer._get_per_token_logps_and_entropies,
+            trainer.training_step,
+            trainer._generate,
+        )
 
         def flagged_compute_loss(*a, **kw):
             in_loss[0] = True
@@ -237,7 +303,9 @@ def run_trl(steps: int, new_tokens: int, gradient_checkpointing: bool, compute_d
                 timings["training_step"] += timings["training_step_end"] - start
 
         def counting_generate(prompts):
-            result = generate(prompts)  # (prompt_ids, completion_ids, tool_mask, completions, logprobs, ...) in TRL 1.16
+            result = generate(
+                prompts
+            )  # (prompt_ids, completion_ids, tool_mask, completions, logprobs, ...) in TRL 1.16
             prompt_ids, completion_ids = result[0], result[1]
             timings["completion_tokens"] += sum(len(c) for c in completion_ids)
             timings["prompt_tokens"] += sum(len(p) for p in prompt_ids)
@@ -276,7 +344,7 @@ def launch(system: str, steps: int, new_tokens: int, gradient_checkpointing: boo
     proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
+            return json.loads(line[len("RESULT ") :])
     raise RuntimeError(f"{system} worker failed:\n{proc.stderr[-4000:]}")
 
 
@@ -284,8 +352,10 @@ def pick_systems(asked: list[str] | None, dtypes: dict[str, str]) -> tuple[list[
     """The systems to run, and a note when ``trl-fp32`` is dropped because ``trl`` already computes in fp32."""
     systems = asked or list(SYSTEMS)
     if "trl" in systems and "trl-fp32" in systems and dtypes["trl"] == dtypes["trl-fp32"]:
-        note = (f"`trl-fp32` was not run: agl's model.compute_dtype=auto resolves to {dtypes['trl']} on this CPU "
-                "(no native bf16), so `trl` (TRL on agl's compute dtype) already is the fp32 configuration.")
+        note = (
+            f"`trl-fp32` was not run: agl's model.compute_dtype=auto resolves to {dtypes['trl']} on this CPU "
+            "(no native bf16), so `trl` (TRL on agl's compute dtype) already is the fp32 configuration."
+        )
         return [s for s in systems if s != "trl-fp32"], note
     return systems, None
 
@@ -338,12 +408,22 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=2, help="timed steps per round (after one warm-up step)")
     parser.add_argument("--new-tokens", type=int, default=128, help="max new tokens per completion, both systems")
-    parser.add_argument("--gradient-checkpointing", action=argparse.BooleanOptionalAction, default=True,
-                        help="activation checkpointing of the decoder layers in both systems (default on: agl's and TRL's default)")
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="activation checkpointing of the decoder layers in both systems (default on: agl's and TRL's default)",
+    )
     parser.add_argument("--only", nargs="+", choices=list(SYSTEMS), help="run only these systems")
-    parser.add_argument("--label", help="a suffix for the result files (e.g. the machine), so a run does not replace another's")
-    parser.add_argument("--trl-malloc", default="glibc", choices=["glibc", "auto", *ALLOCATORS],
-                        help="TRL's malloc (AGL_ALLOCATOR's names; default glibc, as TRL runs). agl's is AGL_ALLOCATOR's (default auto)")
+    parser.add_argument(
+        "--label", help="a suffix for the result files (e.g. the machine), so a run does not replace another's"
+    )
+    parser.add_argument(
+        "--trl-malloc",
+        default="glibc",
+        choices=["glibc", "auto", *ALLOCATORS],
+        help="TRL's malloc (AGL_ALLOCATOR's names; default glibc, as TRL runs). agl's is AGL_ALLOCATOR's (default auto)",
+    )
     parser.add_argument("--worker", choices=list(SYSTEMS), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -356,15 +436,28 @@ def main() -> None:
     for round_ in range(args.rounds):
         for system in systems if round_ % 2 == 0 else systems[::-1]:
             print(f"round {round_ + 1}/{args.rounds}: {system} ...", flush=True)
-            runs[system].append(launch(system, args.steps, args.new_tokens, args.gradient_checkpointing, args.trl_malloc))
+            runs[system].append(
+                launch(system, args.steps, args.new_tokens, args.gradient_checkpointing, args.trl_malloc)
+            )
     summary = {s: summarize(r, peak, dtypes[s]) for s, r in runs.items()}
     result = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "command": shlex.join(["PYTHONPATH=.", ".venv/bin/python", "bench/grpo_vs_trl.py", *sys.argv[1:]]),
-        "workload": {"B": B, "G": G, "new_tokens": args.new_tokens, "lr": LR, "epsilon": EPSILON, "epsilon_high": EPSILON_HIGH,
-                     "gradient_checkpointing": args.gradient_checkpointing},
+        "workload": {
+            "B": B,
+            "G": G,
+            "new_tokens": args.new_tokens,
+            "lr": LR,
+            "epsilon": EPSILON,
+            "epsilon_high": EPSILON_HIGH,
+            "gradient_checkpointing": args.gradient_checkpointing,
+        },
         "versions": {p: _version(p) for p in ("trl", "transformers", "torch", "peft", "bitsandbytes")},
-        "compute_dtypes": dtypes, "note": note, "matmul_peak": peak, "summary": summary, "runs": runs,
+        "compute_dtypes": dtypes,
+        "note": note,
+        "matmul_peak": peak,
+        "summary": summary,
+        "runs": runs,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = f"grpo_vs_trl_{args.new_tokens}" + ("" if args.trl_malloc == "glibc" else f"_trl_{args.trl_malloc}")
@@ -381,9 +474,14 @@ def _short(dtype: str) -> str:
 def render(result: dict) -> str:
     summary, peak, work = result["summary"], result["matmul_peak"], result["workload"]
     cols = list(summary)
-    bf16_probe = f"bf16 {peak['bf16_gflops']:.1f} GFLOP/s" + ("" if peak["bf16_native"] else f" (not native here; {peak['bf16_probe_n']}² probe)")
-    checkpointing = "on in both (agl `algo.gradient_checkpointing=true`, TRL `gradient_checkpointing`/`activation_checkpointing=True`, TRL 1.16's default)" \
-        if work["gradient_checkpointing"] else "off in both (agl `algo.gradient_checkpointing=false`, TRL `activation_checkpointing=False`)"
+    bf16_probe = f"bf16 {peak['bf16_gflops']:.1f} GFLOP/s" + (
+        "" if peak["bf16_native"] else f" (not native here; {peak['bf16_probe_n']}² probe)"
+    )
+    checkpointing = (
+        "on in both (agl `algo.gradient_checkpointing=true`, TRL `gradient_checkpointing`/`activation_checkpointing=True`, TRL 1.16's default)"
+        if work["gradient_checkpointing"]
+        else "off in both (agl `algo.gradient_checkpointing=false`, TRL `activation_checkpointing=False`)"
+    )
     versions = ", ".join(f"{k} {v}" for k, v in result["versions"].items())
     lines = [
         f"# GRPO step: agl vs TRL GRPOTrainer, <= {work['new_tokens']} new tokens",
@@ -421,22 +519,31 @@ def render(result: dict) -> str:
         if {"agl", trl} <= set(summary):
             ratio = summary[trl]["step_s"] / summary["agl"]["step_s"]
             lines += ["", f"**agl steps/s ÷ {trl} steps/s = {ratio:.2f}×**"]
-    lines += ["", "`trl`: TRL's GRPOTrainer on agl's policy object (the same NF4 base and fresh LoRA) with agl's compute dtype "
-              "(model.compute_dtype=auto: bf16 where the CPU has it natively, else fp32; bitsandbytes' CPU repacking off). "
-              "`trl-fp32`: the same with fp32 compute, bitsandbytes' default. Memory: agl's worker as `harness.py` sets it up "
-              "(AGL_ALLOCATOR's malloc, default tcmalloc or jemalloc where installed, else glibc with its mmap threshold "
-              "pinned; capped kernel caches); TRL's on `--trl-malloc` (default glibc, untouched). Row 'malloc'."]
+    lines += [
+        "",
+        "`trl`: TRL's GRPOTrainer on agl's policy object (the same NF4 base and fresh LoRA) with agl's compute dtype "
+        "(model.compute_dtype=auto: bf16 where the CPU has it natively, else fp32; bitsandbytes' CPU repacking off). "
+        "`trl-fp32`: the same with fp32 compute, bitsandbytes' default. Memory: agl's worker as `harness.py` sets it up "
+        "(AGL_ALLOCATOR's malloc, default tcmalloc or jemalloc where installed, else glibc with its mmap threshold "
+        "pinned; capped kernel caches); TRL's on `--trl-malloc` (default glibc, untouched). Row 'malloc'.",
+    ]
     if result.get("note"):
         lines += ["", result["note"]]
-    lines += ["", "TRL 1.16 casts a quantized model's LoRA weights to bf16 (the QLoRA recipe); where TRL computes in fp32 the "
-              "bench casts them back to fp32, as agl trains them (row 'LoRA weights dtype')."]
-    lines += ["", "For agl, generation is the rollout phase (agents calling the route, including their HTTP and store work); "
-              "its update-side forward passes are counted under logprob passes. TRL's generation is `_generate` "
-              "(`model.generate` on the whole batch); its `compute_loss` forward is counted under logprob passes; its "
-              "backward + optimizer is `training_step` less input preparation and `compute_loss`, plus grad clipping "
-              "and `optimizer.step`; reward scoring and advantages are overhead. GFLOP / step counts the tokens each "
-              "system ran (unpadded): agl prefills and trains a group's shared prompt once, TRL once per row. The matmul "
-              "peak of the dtype each system computes in is the denominator of its fraction."]
+    lines += [
+        "",
+        "TRL 1.16 casts a quantized model's LoRA weights to bf16 (the QLoRA recipe); where TRL computes in fp32 the "
+        "bench casts them back to fp32, as agl trains them (row 'LoRA weights dtype').",
+    ]
+    lines += [
+        "",
+        "For agl, generation is the rollout phase (agents calling the route, including their HTTP and store work); "
+        "its update-side forward passes are counted under logprob passes. TRL's generation is `_generate` "
+        "(`model.generate` on the whole batch); its `compute_loss` forward is counted under logprob passes; its "
+        "backward + optimizer is `training_step` less input preparation and `compute_loss`, plus grad clipping "
+        "and `optimizer.step`; reward scoring and advantages are overhead. GFLOP / step counts the tokens each "
+        "system ran (unpadded): agl prefills and trains a group's shared prompt once, TRL once per row. The matmul "
+        "peak of the dtype each system computes in is the denominator of its fraction.",
+    ]
     return "\n".join(lines) + "\n"
 
 

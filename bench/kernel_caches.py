@@ -17,6 +17,7 @@ peak RSS. The decoded tokens and the SFT losses must be the same at both capacit
 
     PYTHONPATH=. .venv/bin/python bench/kernel_caches.py [--steps 24 --prompts 32 --rounds 1]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -93,11 +94,16 @@ def child(capacity: int, prompts: int, steps: int) -> dict:
 
     def sft_steps() -> None:
         for _ in range(steps):
-            examples = [render_demonstration(policy, demos[i], sft.max_length) for i in rng.sample(range(len(demos)), sft.batch_size)]
+            examples = [
+                render_demonstration(policy, demos[i], sft.max_length)
+                for i in rng.sample(range(len(demos)), sft.batch_size)
+            ]
             with memory.update_memory():  # as agl/train/sft.py's update
                 policy.model.train()
                 optimizer.zero_grad(set_to_none=True)
-                stats = sft_loss_and_backward(policy, examples, sft.micro_batch_size, sft.micro_batch_tokens, sft.gradient_checkpointing)
+                stats = sft_loss_and_backward(
+                    policy, examples, sft.micro_batch_size, sft.micro_batch_tokens, sft.gradient_checkpointing
+                )
                 losses.append(stats["loss"])
                 torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), sft.max_grad_norm)
                 optimizer.step()
@@ -111,12 +117,21 @@ def child(capacity: int, prompts: int, steps: int) -> dict:
     loop.close()
     import resource
 
-    return {"capacity": capacity, "stages": stages, "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "decode_tokens": first, "decode_again_tokens": second, "sft_losses": losses}
+    return {
+        "capacity": capacity,
+        "stages": stages,
+        "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "decode_tokens": first,
+        "decode_again_tokens": second,
+        "sft_losses": losses,
+    }
 
 
 def _median_stage(rounds: list[dict]) -> dict:
-    return {"stage": rounds[0]["stage"], **{key: statistics.median(r[key] for r in rounds) for key in rounds[0] if key != "stage"}}
+    return {
+        "stage": rounds[0]["stage"],
+        **{key: statistics.median(r[key] for r in rounds) for key in rounds[0] if key != "stage"},
+    }
 
 
 def main() -> None:
@@ -135,40 +150,85 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name in CAPACITIES}
     for _ in range(args.rounds):
         for name, capacity in CAPACITIES.items():
-            command = [sys.executable, __file__, "--child", str(capacity), "--prompts", str(args.prompts), "--steps", str(args.steps)]
-            out = subprocess.run(command, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True, check=True)
+            command = [
+                sys.executable,
+                __file__,
+                "--child",
+                str(capacity),
+                "--prompts",
+                str(args.prompts),
+                "--steps",
+                str(args.steps),
+            ]
+            out = subprocess.run(
+                command, cwd=ROOT, env={**env, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True, check=True
+            )
             runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(name, json.dumps({s["stage"]: round(s["in_use_mib"]) for s in runs[name][-1]["stages"]}), flush=True)
     every = [r for rs in runs.values() for r in rs]
-    same = {key: len({json.dumps(r[key]) for r in every}) == 1 for key in ("decode_tokens", "decode_again_tokens", "sft_losses")}
-    median = {name: {"stages": [_median_stage([r["stages"][i] for r in rs]) for i in range(len(rs[0]["stages"]))],
-                     "ru_maxrss_mib": statistics.median(r["ru_maxrss_mib"] for r in rs)} for name, rs in runs.items()}
+    same = {
+        key: len({json.dumps(r[key]) for r in every}) == 1
+        for key in ("decode_tokens", "decode_again_tokens", "sft_losses")
+    }
+    median = {
+        name: {
+            "stages": [_median_stage([r["stages"][i] for r in rs]) for i in range(len(rs[0]["stages"]))],
+            "ru_maxrss_mib": statistics.median(r["ru_maxrss_mib"] for r in rs),
+        }
+        for name, rs in runs.items()
+    }
     import torch
 
     from bench.common import matmul_probe
 
-    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "prompts": args.prompts, "steps": args.steps, "rounds": args.rounds,
-              "capacities": CAPACITIES, "same": same, "bf16_gflops_after": matmul_probe(torch.bfloat16), "median": median, "runs": runs}
+    result = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "prompts": args.prompts,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "capacities": CAPACITIES,
+        "same": same,
+        "bf16_gflops_after": matmul_probe(torch.bfloat16),
+        "median": median,
+        "runs": runs,
+    }
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "kernel_caches.json").write_text(json.dumps(result, indent=2) + "\n")
     names = list(CAPACITIES)
     lines = [
-        "# Kernel caches: heap in use over a job's shapes, at the libraries' capacity and at agl's", "",
+        "# Kernel caches: heap in use over a job's shapes, at the libraries' capacity and at agl's",
+        "",
         f"{result['date']}. `PYTHONPATH=. .venv/bin/python bench/kernel_caches.py --steps {args.steps} --prompts {args.prompts} --rounds {args.rounds}`. "
         "SmolLM2-135M-Instruct (nf4 + LoRA r16), this CPU's compute dtype, mmap threshold pinned as harness.py does; one fresh process per "
         f"capacity, capacities alternating, medians of {args.rounds} round(s). Heap in use: mallinfo2's uordblks after a GC and a trim. "
-        f"bf16 matmul probe after the runs: {result['bf16_gflops_after']:.0f} GFLOP/s.", "",
-        "| stage | " + " | ".join(f"{n} ({CAPACITIES[n]}): heap in use MiB | s | tokens/s" for n in names) + " | time ratio |",
+        f"bf16 matmul probe after the runs: {result['bf16_gflops_after']:.0f} GFLOP/s.",
+        "",
+        "| stage | "
+        + " | ".join(f"{n} ({CAPACITIES[n]}): heap in use MiB | s | tokens/s" for n in names)
+        + " | time ratio |",
         "|---|" + "---|---|---|" * len(names) + "---|",
     ]
     for i, ref in enumerate(median[names[0]]["stages"]):
         cells = []
         for n in names:
             s = median[n]["stages"][i]
-            cells += [f"{s['in_use_mib']:,.0f}", f"{s['seconds']:.1f}", f"{s['tokens_per_s']:.0f}" if "tokens_per_s" in s else ""]
-        lines.append(f"| {ref['stage']} | " + " | ".join(cells) + f" | {median[names[1]]['stages'][i]['seconds'] / ref['seconds']:.2f}x |")
-    lines += ["", "Peak RSS: " + ", ".join(f"{n} {median[n]['ru_maxrss_mib']:,.0f} MiB" for n in names) + ". "
-              "Same decoded tokens and SFT losses at both capacities: " + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in same.items()) + "."]
+            cells += [
+                f"{s['in_use_mib']:,.0f}",
+                f"{s['seconds']:.1f}",
+                f"{s['tokens_per_s']:.0f}" if "tokens_per_s" in s else "",
+            ]
+        lines.append(
+            f"| {ref['stage']} | "
+            + " | ".join(cells)
+            + f" | {median[names[1]]['stages'][i]['seconds'] / ref['seconds']:.2f}x |"
+        )
+    lines += [
+        "",
+        "Peak RSS: " + ", ".join(f"{n} {median[n]['ru_maxrss_mib']:,.0f} MiB" for n in names) + ". "
+        "Same decoded tokens and SFT losses at both capacities: "
+        + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in same.items())
+        + ".",
+    ]
     (RESULTS / "kernel_caches.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

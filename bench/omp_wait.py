@@ -17,6 +17,7 @@ rounds; medians. Per setting:
 
     PYTHONPATH=. .venv/bin/python bench/omp_wait.py [--rounds 3]   # ~4 min a round on the AMX machine; writes bench/results/omp_wait.{md,json}
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,7 +84,16 @@ def child() -> None:
 
     start = time.perf_counter()
     route_tok_s = asyncio.run(route())
-    print(json.dumps({"decode_ms": decode_ms, "update_s": update_s, "route_tok_s": route_tok_s, "wall_s": time.perf_counter() - start}))
+    print(
+        json.dumps(
+            {
+                "decode_ms": decode_ms,
+                "update_s": update_s,
+                "route_tok_s": route_tok_s,
+                "wall_s": time.perf_counter() - start,
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -100,8 +110,14 @@ def main() -> None:
     for round_ in range(args.rounds):
         order = list(SETTINGS) if round_ % 2 == 0 else list(SETTINGS)[::-1]
         for name in order:
-            env = {k: v for k, v in os.environ.items() if k not in WAIT_VARIABLES} | SETTINGS[name] | {"PYTHONPATH": str(ROOT)}
-            out = subprocess.run([sys.executable, __file__, "--child"], env=env, cwd=ROOT, capture_output=True, text=True, check=True)
+            env = (
+                {k: v for k, v in os.environ.items() if k not in WAIT_VARIABLES}
+                | SETTINGS[name]
+                | {"PYTHONPATH": str(ROOT)}
+            )
+            out = subprocess.run(
+                [sys.executable, __file__, "--child"], env=env, cwd=ROOT, capture_output=True, text=True, check=True
+            )
             runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(round_ + 1, name, runs[name][-1], flush=True)
     keys = ("decode_ms", "update_s", "route_tok_s")

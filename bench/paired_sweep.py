@@ -8,6 +8,7 @@ Reads each job's store (read-only) and metrics.jsonl; loads no model. The final 
 tagged with the job's last ``eval_step``; the base model's is ``eval_step`` 0. Jobs are grouped by
 everything in their dir name except ``--vary`` (e.g. the task), and compared within a group.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,7 +59,9 @@ async def main() -> None:
     parser.add_argument("sweep", type=Path)
     parser.add_argument("--vary", required=True, help="the override the jobs differ in, e.g. algo.loss_type")
     parser.add_argument("--reference", required=True, help="its value the others are compared with, e.g. grpo")
-    parser.add_argument("--score", action="append", default=[], help="a 0/1 score of the evals (repeat: the first a task has)")
+    parser.add_argument(
+        "--score", action="append", default=[], help="a 0/1 score of the evals (repeat: the first a task has)"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
@@ -73,16 +76,34 @@ async def main() -> None:
         reference = results.get(args.reference)
         rows = []
         for value, (final, base, train) in sorted(results.items()):
-            rows.append([
-                f"`{value}`", len(final), rate(base), rate(final), change(base, final),
-                change(reference[0], final) if reference and value != args.reference else "",
-                f"{sum(train) / len(train):.3f} ({len(train)} steps)" if train else "",
-                " ".join(f"{r:.2f}" for r in train[:10]),
-            ])
+            rows.append(
+                [
+                    f"`{value}`",
+                    len(final),
+                    rate(base),
+                    rate(final),
+                    change(base, final),
+                    change(reference[0], final) if reference and value != args.reference else "",
+                    f"{sum(train) / len(train):.3f} ({len(train)} steps)" if train else "",
+                    " ".join(f"{r:.2f}" for r in train[:10]),
+                ]
+            )
         out.append(f"## {group}\n")
-        out.append(markdown_table(
-            [args.vary, "tasks", "base", "final [95% Wilson]", "vs base (McNemar)", f"vs `{args.reference}`", "train reward, mean over RL steps", "first 10 RL steps"], rows,
-        ))
+        out.append(
+            markdown_table(
+                [
+                    args.vary,
+                    "tasks",
+                    "base",
+                    "final [95% Wilson]",
+                    "vs base (McNemar)",
+                    f"vs `{args.reference}`",
+                    "train reward, mean over RL steps",
+                    "first 10 RL steps",
+                ],
+                rows,
+            )
+        )
         out.append("")
     text = "\n".join(out)
     print(text)

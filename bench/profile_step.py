@@ -15,6 +15,7 @@ Variants alternate within each measurement (medians), so machine noise hits both
 
     PYTHONPATH=. .venv/bin/python bench/profile_step.py        # ~3 min; writes bench/results/profile_step.{md,json}
 """
+
 from __future__ import annotations
 
 import os
@@ -50,13 +51,22 @@ def decode_steps(model, steps: int, profile: bool = False) -> float:
         mask = torch.cat([mask, torch.ones(BATCH, 1, dtype=torch.long)], dim=1)
         start = time.perf_counter()
         model(
-            input_ids=torch.randint(100, 40000, (BATCH, 1), generator=gen), attention_mask=mask,
-            position_ids=torch.full((BATCH, 1), mask.shape[1] - 1), past_key_values=cache, use_cache=True, logits_to_keep=1,
+            input_ids=torch.randint(100, 40000, (BATCH, 1), generator=gen),
+            attention_mask=mask,
+            position_ids=torch.full((BATCH, 1), mask.shape[1] - 1),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
         )
         return time.perf_counter() - start
 
     with torch.inference_mode():
-        model(input_ids=torch.randint(100, 40000, (BATCH, PROMPT), generator=gen), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        model(
+            input_ids=torch.randint(100, 40000, (BATCH, PROMPT), generator=gen),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         times = [decode_one() for _ in range(steps + 2)]
         if profile:
             from torch.profiler import ProfilerActivity
@@ -72,7 +82,9 @@ def engine_split(policy, weights: str) -> dict:
     """4 GSM8K prompts x 8 samples x 128 tokens through the engine: forward vs sampling seconds."""
     from agl.policy.engine import Engine, SamplingParams
 
-    prompts = [policy.render_chat([{"role": "user", "content": row["prompt_text"]}]) for row in gsm8k_prompts("train", 4)]
+    prompts = [
+        policy.render_chat([{"role": "user", "content": row["prompt_text"]}]) for row in gsm8k_prompts("train", 4)
+    ]
     timings: dict[str, float] = defaultdict(float)
 
     async def run() -> None:
@@ -104,8 +116,16 @@ def update_step(policy, fused: bool, merged: bool | None = None, profile: bool =
 
     rng = random.Random(0)
     samples = [
-        Sample(rollout_id=str(i), prompt_ids=list(range(1000, 1000 + PROMPT)), completion_ids=[rng.randint(100, 40000) for _ in range(NEW_TOKENS)],
-               mask=[1] * NEW_TOKENS, logprobs=[-1.0] * NEW_TOKENS, reward=float(i % 2), truncated=False, group="g")
+        Sample(
+            rollout_id=str(i),
+            prompt_ids=list(range(1000, 1000 + PROMPT)),
+            completion_ids=[rng.randint(100, 40000) for _ in range(NEW_TOKENS)],
+            mask=[1] * NEW_TOKENS,
+            logprobs=[-1.0] * NEW_TOKENS,
+            reward=float(i % 2),
+            truncated=False,
+            group="g",
+        )
         for i in range(8)
     ]
     update = grpo.GRPOUpdate(policy, grpo.GRPOConfig(lr=0.0, loss_type="dapo", epsilon_high=None, micro_batch_size=8))
@@ -122,7 +142,11 @@ def update_step(policy, fused: bool, merged: bool | None = None, profile: bool =
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
         start = time.perf_counter()
         metrics = update.step(samples, advantages)
-        return {"step_s": time.perf_counter() - start, "forward_s": metrics["forward_s"], "backward_s": metrics["backward_s"]}
+        return {
+            "step_s": time.perf_counter() - start,
+            "forward_s": metrics["forward_s"],
+            "backward_s": metrics["backward_s"],
+        }
     finally:
         grpo.fused_head = original
 
@@ -135,7 +159,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's top operators")
-    parser.add_argument("--parts", nargs="+", choices=["decode", "engine", "update"], default=["decode", "engine", "update"])
+    parser.add_argument(
+        "--parts", nargs="+", choices=["decode", "engine", "update"], default=["decode", "engine", "update"]
+    )
     args = parser.parse_args()
 
     from agl.policy.sampler_weights import MergedSampler
@@ -148,7 +174,9 @@ def main() -> None:
     decode = {name: [] for name in models} if "decode" in args.parts else {}
     engine = {name: [] for name in models} if "engine" in args.parts else {}
     update_variants = {  # (fused head, LoRA layers merged)
-        "fused, LoRA merged": (True, True), "fused, peft LoRA": (True, False), "model logits": (False, policy.train_merged),
+        "fused, LoRA merged": (True, True),
+        "fused, peft LoRA": (True, False),
+        "model logits": (False, policy.train_merged),
     }
     update = {name: [] for name in update_variants} if "update" in args.parts else {}
     if update:
@@ -203,10 +231,16 @@ def render(result: dict) -> str:
         "| part | variant | ms or s |",
         "|---|---|---:|",
         *(f"| decode step, batch {BATCH}, {PROMPT}-token prompts | {k} | {v:.1f} ms |" for k, v in d.items()),
-        *(f"| engine, 4 prompts x 8 x {NEW_TOKENS} tokens | {k}: total / forward / sampling | "
-          f"{v['total_s']:.2f} / {v['forward_s']:.2f} / {v['sample_s']:.2f} s |" for k, v in e.items()),
-        *(f"| update micro-batch, 8 x {NEW_TOKENS} + {PROMPT} prompt | {k}: total / forward / backward | "
-          f"{v['step_s']:.2f} / {v['forward_s']:.2f} / {v['backward_s']:.2f} s |" for k, v in u.items()),
+        *(
+            f"| engine, 4 prompts x 8 x {NEW_TOKENS} tokens | {k}: total / forward / sampling | "
+            f"{v['total_s']:.2f} / {v['forward_s']:.2f} / {v['sample_s']:.2f} s |"
+            for k, v in e.items()
+        ),
+        *(
+            f"| update micro-batch, 8 x {NEW_TOKENS} + {PROMPT} prompt | {k}: total / forward / backward | "
+            f"{v['step_s']:.2f} / {v['forward_s']:.2f} / {v['backward_s']:.2f} s |"
+            for k, v in u.items()
+        ),
     ]
     return "\n".join(lines) + "\n" + paired
 

@@ -17,6 +17,7 @@ Writes bench/results/route_ab.md and .json.
     PYTHONPATH=. .venv/bin/python bench/route_ab.py                    # ~25 min on the 2-core AMX CPU
     PYTHONPATH=. .venv/bin/python bench/route_ab.py --clients 1 8 --new-tokens 16 --rounds 1   # a quick look
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,7 +62,9 @@ class Route:
             self.log.write(line)
             if match := SERVING.search(line):
                 self.base_url, self.model = match.groups()
-                threading.Thread(target=self.log.writelines, args=(self.process.stdout,), daemon=True).start()  # a full pipe would block it
+                threading.Thread(
+                    target=self.log.writelines, args=(self.process.stdout,), daemon=True
+                ).start()  # a full pipe would block it
                 return
         raise RuntimeError(f"the route at {tree} exited ({self.process.wait()}) before serving; see {self.log.name}")
 
@@ -101,11 +104,22 @@ def main(args: argparse.Namespace) -> dict:
                     try:
                         start = time.perf_counter()
                         by_level = asyncio.run(levels(route, args))
-                        runs[name].append({"levels": by_level, "peak_rss_mib": route.peak_rss_mib(), "malloc": active_allocator(route.process.pid),
-                                           "wall_s": time.perf_counter() - start})
+                        runs[name].append(
+                            {
+                                "levels": by_level,
+                                "peak_rss_mib": route.peak_rss_mib(),
+                                "malloc": active_allocator(route.process.pid),
+                                "wall_s": time.perf_counter() - start,
+                            }
+                        )
                     finally:
                         route.stop()
-                    print(f"round {round_ + 1}, {name}: " + ", ".join(f"{c}: {r['tokens_per_s']:.1f}" for c, r in by_level.items()) + " tok/s", flush=True)
+                    print(
+                        f"round {round_ + 1}, {name}: "
+                        + ", ".join(f"{c}: {r['tokens_per_s']:.1f}" for c, r in by_level.items())
+                        + " tok/s",
+                        flush=True,
+                    )
         finally:
             git("worktree", "remove", "--force", str(baseline))
         probes.append(matmul_probe(torch.bfloat16))
@@ -116,8 +130,12 @@ def main(args: argparse.Namespace) -> dict:
         for name, arm_runs in runs.items():
             row[name] = statistics.median(r["levels"][clients]["tokens_per_s"] for r in arm_runs)
         row["ratios"] = {
-            name: [r["levels"][clients]["tokens_per_s"] / b["levels"][clients]["tokens_per_s"] for r, b in zip(arm_runs, runs[base])]
-            for name, arm_runs in runs.items() if name != base
+            name: [
+                r["levels"][clients]["tokens_per_s"] / b["levels"][clients]["tokens_per_s"]
+                for r, b in zip(arm_runs, runs[base])
+            ]
+            for name, arm_runs in runs.items()
+            if name != base
         }
         table.append(row)
     return {
@@ -128,7 +146,9 @@ def main(args: argparse.Namespace) -> dict:
         "rounds": args.rounds,
         "arms": list(runs),
         "levels": table,
-        "peak_rss_mib": {name: statistics.median(r["peak_rss_mib"] for r in arm_runs) for name, arm_runs in runs.items()},
+        "peak_rss_mib": {
+            name: statistics.median(r["peak_rss_mib"] for r in arm_runs) for name, arm_runs in runs.items()
+        },
         "malloc": {name: sorted({r["malloc"] for r in arm_runs}) for name, arm_runs in runs.items()},
         "runs": runs,
         "command": " ".join(sys.argv[1:]),
@@ -146,8 +166,10 @@ def markdown(result: dict) -> str:
         f"{result['rounds']} rounds, a fresh server per arm and round, arms alternated; medians, and the ratio's value in "
         "each round. Written by `bench/route_ab.py`.",
         "",
-        "| clients | requests | " + " | ".join(f"{name} tok/s" for name in result["arms"])
-        + "".join(f" | {name} / baseline | each round" for name in others) + " |",
+        "| clients | requests | "
+        + " | ".join(f"{name} tok/s" for name in result["arms"])
+        + "".join(f" | {name} / baseline | each round" for name in others)
+        + " |",
         "|---:|---:|" + "---:|" * len(result["arms"]) + "---:|---|" * len(others),
     ]
     for row in result["levels"]:
@@ -158,7 +180,9 @@ def markdown(result: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Peak RSS of the server (median over rounds): " + ", ".join(f"{name} {mib:,.0f} MiB" for name, mib in result["peak_rss_mib"].items()) + ". "
+        "Peak RSS of the server (median over rounds): "
+        + ", ".join(f"{name} {mib:,.0f} MiB" for name, mib in result["peak_rss_mib"].items())
+        + ". "
         "Its malloc: " + ", ".join(f"{name} {'/'.join(kinds)}" for name, kinds in result["malloc"].items()) + ".",
         "",
         f"`PYTHONPATH=. .venv/bin/python bench/route_ab.py {result['command']}`",
@@ -172,7 +196,9 @@ if __name__ == "__main__":
     parser.add_argument("--baseline", default="637fd27", help="git revision of the baseline arm (default: issue 13's)")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--min-requests", type=int, default=8, help="requests per level at least (fewer clients send them in turn)")
+    parser.add_argument(
+        "--min-requests", type=int, default=8, help="requests per level at least (fewer clients send them in turn)"
+    )
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
     result = main(args)

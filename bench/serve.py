@@ -23,6 +23,7 @@ Writes bench/results/serve.md and bench/results/serve.json.
     PYTHONPATH=. /work/main/.venv/bin/python bench/serve.py            # ~30 min on the shared 2-core CPU
     PYTHONPATH=. /work/main/.venv/bin/python bench/serve.py --clients 1 8 --new-tokens 16 --repeats 1   # a quick look
 """
+
 from __future__ import annotations
 
 import os
@@ -90,7 +91,12 @@ def direct_run(policy, work: list[list[dict]], batch_size: int, new_tokens: int)
         ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=policy.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=policy.device)
         out = policy.model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
         )
         tokens += (out.shape[1] - width) * len(prompts)
     wall = time.perf_counter() - start
@@ -112,7 +118,9 @@ def step_costs(engine: Engine) -> dict:
     config = model.config
     dense = [m for m in model.modules() if isinstance(m, DenseLinear)]
     head = model.get_output_embeddings()
-    weight_bytes = sum(m.weight.nbytes + (m.bias.nbytes if m.bias is not None else 0) for m in dense) + head.weight.nbytes
+    weight_bytes = (
+        sum(m.weight.nbytes + (m.bias.nbytes if m.bias is not None else 0) for m in dense) + head.weight.nbytes
+    )
     weight_bytes += sum(p.nbytes for name, p in model.named_parameters() if "norm" in name)
     matmul_params = sum(m.weight.numel() for m in dense) + head.weight.numel()
     heads = config.num_attention_heads
@@ -132,7 +140,9 @@ def limits(steps: list[tuple[int, int]], costs: dict, gb_s: float, gflop_s: floa
     """tok/s if every decode step in ``steps`` (rows, width) ran at the memory or the compute limit."""
     tokens = sum(rows for rows, _ in steps)
     read = sum(costs["weight_bytes"] + rows * width * costs["kv_bytes_per_token"] for rows, width in steps)
-    flops = sum(rows * (2 * costs["matmul_params"] + width * costs["attention_flops_per_cached_token"]) for rows, width in steps)
+    flops = sum(
+        rows * (2 * costs["matmul_params"] + width * costs["attention_flops_per_cached_token"]) for rows, width in steps
+    )
     return {
         "decode_steps": len(steps),
         "mean_rows": tokens / len(steps),
@@ -163,7 +173,9 @@ async def main(args: argparse.Namespace) -> dict:
     dtype = policy.compute_dtype
     probes = {"gb_s": [memory_probe()], "gflop_s": [matmul_probe(dtype)]}
     works = {c: gsm8k_messages(max(c, args.min_requests)) for c in args.clients}
-    runs: dict[int, dict[str, list]] = {c: {v: [] for v in [*args.decode, *(["direct"] if args.direct else [])]} for c in args.clients}
+    runs: dict[int, dict[str, list]] = {
+        c: {v: [] for v in [*args.decode, *(["direct"] if args.direct else [])]} for c in args.clients
+    }
     try:
         for variant in args.decode:  # warm-up: first-call costs out of the timings
             engine.decode_step = fast_step if variant == "fast" else None
@@ -242,11 +254,15 @@ def markdown(result: dict) -> str:
         f"of KV cache per row and cached position, and computes {2 * costs['matmul_params'] / 1e9:.3f} GFLOP per row in "
         "matmuls plus attention.",
         "",
-        "| clients | " + " | ".join(f"{v} tok/s" for v in variants)
+        "| clients | "
+        + " | ".join(f"{v} tok/s" for v in variants)
         + (" | fast / model | each round" if "fast_over_model" in result["levels"][0] else "")
         + " | steps x rows, width | bandwidth limit tok/s | compute limit tok/s | "
         + f"{variants[-1]} / lower limit |",
-        "|---:|" + "---:|" * len(variants) + ("---:|---|" if "fast_over_model" in result["levels"][0] else "") + "---|---:|---:|---:|",
+        "|---:|"
+        + "---:|" * len(variants)
+        + ("---:|---|" if "fast_over_model" in result["levels"][0] else "")
+        + "---|---:|---:|---:|",
     ]
     for lv in result["levels"]:
         lim = lv["limits"]
@@ -262,8 +278,11 @@ def markdown(result: dict) -> str:
         ]
         lines.append("| " + " | ".join(row) + " |")
     if "direct" in result["levels"][0]:
-        lines += ["", "`model.generate` in batches of `clients`: "
-                  + ", ".join(f"{lv['clients']}: {lv['direct']['tokens_per_s']:.1f} tok/s" for lv in result["levels"])]
+        lines += [
+            "",
+            "`model.generate` in batches of `clients`: "
+            + ", ".join(f"{lv['clients']}: {lv['direct']['tokens_per_s']:.1f} tok/s" for lv in result["levels"]),
+        ]
     lines += [
         "",
         f"Medians of {result['repeats']} rounds; in each round the variants run back to back on the same requests, "
@@ -281,9 +300,13 @@ if __name__ == "__main__":
     parser.add_argument("--model", default="smollm2", help="a conf/model/*.yaml")
     parser.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32, 64])
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--min-requests", type=int, default=1, help="requests per level at least (1 client sends them in turn)")
+    parser.add_argument(
+        "--min-requests", type=int, default=1, help="requests per level at least (1 client sends them in turn)"
+    )
     parser.add_argument("--repeats", type=int, default=2, help="rounds; medians are reported")
-    parser.add_argument("--decode", nargs="+", default=["model", "fast"], choices=["model", "fast"], help="engine.decode variants")
+    parser.add_argument(
+        "--decode", nargs="+", default=["model", "fast"], choices=["model", "fast"], help="engine.decode variants"
+    )
     parser.add_argument("--direct", action="store_true", help="also time model.generate on the same prompts")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()

@@ -141,9 +141,21 @@ async def run_size(size: int, ops: int, n_rounds: int, directory: Path) -> dict:
 
 def run_in_subprocess(size: int, ops: int, n_rounds: int, directory: Path) -> dict:
     out = subprocess.run(
-        [sys.executable, __file__, "--single", str(size), "--ops", str(ops), "--rounds", str(n_rounds),
-         "--dir", str(directory)],
-        check=True, capture_output=True, text=True,
+        [
+            sys.executable,
+            __file__,
+            "--single",
+            str(size),
+            "--ops",
+            str(ops),
+            "--rounds",
+            str(n_rounds),
+            "--dir",
+            str(directory),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -159,20 +171,23 @@ def render(results: list[dict]) -> str:
         flat = max(rates) / min(rates)
         if op in ("dequeue", "finish"):
             ok = ok and flat <= 2.0
-        target_text = "-" if target is None else f"≥{target:,.0f}/s" + (", flat ≤2×" if op in ("dequeue", "finish") else "")
+        target_text = (
+            "-" if target is None else f"≥{target:,.0f}/s" + (", flat ≤2×" if op in ("dequeue", "finish") else "")
+        )
         lines.append(
-            f"| {op} (ops/s) | " + " | ".join(f"{x:,.0f}" for x in rates)
+            f"| {op} (ops/s) | "
+            + " | ".join(f"{x:,.0f}" for x in rates)
             + f" | {flat:.2f} | {target_text} {'✅' if ok else '❌'} |"
         )
     for op in OPS:
         lines.append(
             f"| {op}, median round (ops/s) | "
-            + " | ".join(f"{r['median_ops_per_second'][op]:,.0f}" for r in results) + " | | |"
+            + " | ".join(f"{r['median_ops_per_second'][op]:,.0f}" for r in results)
+            + " | | |"
         )
     for op in OPS:
         lines.append(
-            f"| {op}, per CPU-second | "
-            + " | ".join(f"{r['cpu_ops_per_second'][op]:,.0f}" for r in results) + " | | |"
+            f"| {op}, per CPU-second | " + " | ".join(f"{r['cpu_ops_per_second'][op]:,.0f}" for r in results) + " | | |"
         )
     lines.append("| load average (1 min) | " + " | ".join(f"{r['load_average'][0]:.1f}" for r in results) + " | | |")
     lines.append("| peak RSS (MiB) | " + " | ".join(f"{r['peak_rss_bytes'] / 2**20:,.0f}" for r in results) + " | | |")
@@ -219,11 +234,12 @@ def main() -> None:
         f"Python {env['python']}, SQLite {env['sqlite']}, {env['cpus']} CPUs ({env['machine']}), {env['date']}.\n\n"
         "Each column is a store prefilled to that many rollouts (10% of them run through a full life, the rest\n"
         f"queued), then {args.rounds} rounds of {args.ops:,} single awaited calls of each operation; WAL,\n"
-        "synchronous=NORMAL, file on disk. Rows \"(ops/s)\": best round, wall clock. The machine is shared\n"
+        'synchronous=NORMAL, file on disk. Rows "(ops/s)": best round, wall clock. The machine is shared\n'
         "with other jobs (see the load average), so the median round and the CPU-time rate are shown too.\n"
         "add_span writes an `llm.chat` span with 200 prompt ids, 200 response ids and 200 logprobs.\n"
         f"Each round enqueues {args.ops:,} more rollouts, so a store grows by rounds × ops while measured.\n\n"
-        + table + "\n"
+        + table
+        + "\n"
     )
     (args.out / "store.md").write_text(md)
     print(md)

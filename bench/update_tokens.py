@@ -22,6 +22,7 @@ ratios, as this shared CPU's speed moves from minute to minute.
 
     PYTHONPATH=. .venv/bin/python bench/update_tokens.py [--rounds 5]   # writes bench/results/update_tokens.{md,json}
 """
+
 from __future__ import annotations
 
 import os
@@ -57,13 +58,17 @@ def old_plan(samples: Sequence, size: int, tokens: int | None = None) -> list[li
     for i, sample in enumerate(samples):
         by_prompt[tuple(sample.prompt_ids)].append(i)
     shared = [idx for idx in by_prompt.values() if len(idx) > 1]
-    singles = sorted((idx[0] for idx in by_prompt.values() if len(idx) == 1), key=lambda i: len(samples[i].prompt_ids) + len(samples[i].completion_ids))
+    singles = sorted(
+        (idx[0] for idx in by_prompt.values() if len(idx) == 1),
+        key=lambda i: len(samples[i].prompt_ids) + len(samples[i].completion_ids),
+    )
     plan = [idx[i : i + size] for idx in shared for i in range(0, len(idx), size)]
     return plan + [singles[i : i + size] for i in range(0, len(singles), size)]
 
 
 def completion_lengths(mean: int, seed: int) -> list[int]:
     """B x G lengths: gamma(shape 3) draws, scaled so that the mean after the cut at 256 is ``mean``."""
+
     def draw(scale: float) -> list[int]:
         rng = random.Random(seed)
         return [min(MAX_TOKENS, max(8, round(rng.gammavariate(3.0, scale)))) for _ in range(B * G)]
@@ -78,7 +83,11 @@ def completion_lengths(mean: int, seed: int) -> list[int]:
 def make_samples(policy, mix: str) -> list:
     from agl.train.samples import Sample
 
-    rows = [r for r in gsm8k_prompts("train", 400) if 150 <= len(policy.render_chat([{"role": "user", "content": r["prompt_text"]}])) <= 250][:B]
+    rows = [
+        r
+        for r in gsm8k_prompts("train", 400)
+        if 150 <= len(policy.render_chat([{"role": "user", "content": r["prompt_text"]}])) <= 250
+    ][:B]
     prompts = [policy.render_chat([{"role": "user", "content": r["prompt_text"]}]) for r in rows]
     lengths = completion_lengths(MIXES[mix], seed=13)
     rng = random.Random(7)
@@ -86,10 +95,19 @@ def make_samples(policy, mix: str) -> list:
     for g, prompt in enumerate(prompts):
         for j in range(G):
             n = lengths[g * G + j]
-            samples.append(Sample(
-                rollout_id=f"{g}-{j}", prompt_ids=prompt, completion_ids=[rng.randint(100, 40000) for _ in range(n)],
-                mask=[1] * n, logprobs=[-1.0] * n, reward=float(j % 2), truncated=n == MAX_TOKENS, temperature=0.8, group=str(g),
-            ))
+            samples.append(
+                Sample(
+                    rollout_id=f"{g}-{j}",
+                    prompt_ids=prompt,
+                    completion_ids=[rng.randint(100, 40000) for _ in range(n)],
+                    mask=[1] * n,
+                    logprobs=[-1.0] * n,
+                    reward=float(j % 2),
+                    truncated=n == MAX_TOKENS,
+                    temperature=0.8,
+                    group=str(g),
+                )
+            )
     return samples
 
 
@@ -98,7 +116,9 @@ def padded_tokens(samples: Sequence, plan: list[list[int]]) -> int:
     total, seen = 0, set()
     for chunk in plan:
         prompt = tuple(samples[chunk[0]].prompt_ids)
-        total += len(chunk) * max(len(samples[i].completion_ids) for i in chunk) + (0 if prompt in seen else len(prompt))
+        total += len(chunk) * max(len(samples[i].completion_ids) for i in chunk) + (
+            0 if prompt in seen else len(prompt)
+        )
         seen.add(prompt)
     return total
 
@@ -131,7 +151,9 @@ class PeakRSS:
 def run_step(policy, samples: list, planner: str) -> dict:
     import agl.train.grpo as grpo
 
-    config = grpo.GRPOConfig(lr=0.0, loss_type="dapo", epsilon_high=None)  # the defaults: micro_batch_size, micro_batch_tokens as in grpo.yaml
+    config = grpo.GRPOConfig(
+        lr=0.0, loss_type="dapo", epsilon_high=None
+    )  # the defaults: micro_batch_size, micro_batch_tokens as in grpo.yaml
     plan_fn = grpo.plan_micro_batches
     if planner == "old":
         config.micro_batch_size, config.micro_batch_tokens = 8, None
@@ -147,8 +169,13 @@ def run_step(policy, samples: list, planner: str) -> dict:
     finally:
         grpo.plan_micro_batches = plan_fn
     return {
-        "step_s": seconds, "forward_s": metrics["forward_s"], "backward_s": metrics["backward_s"], "loss": metrics["loss"],
-        "micro_batches": len(plan), "real_tokens": int(metrics["train_input_tokens"]), "padded_tokens": padded_tokens(samples, plan),
+        "step_s": seconds,
+        "forward_s": metrics["forward_s"],
+        "backward_s": metrics["backward_s"],
+        "loss": metrics["loss"],
+        "micro_batches": len(plan),
+        "real_tokens": int(metrics["train_input_tokens"]),
+        "padded_tokens": padded_tokens(samples, plan),
         "rss_peak_mib": rss.mib,
     }
 
@@ -167,7 +194,10 @@ def main() -> None:
         order = cases if round_ % 2 == 0 else cases[::-1]
         for planner, mix in order:
             rows[f"{planner} {mix}"].append(run_step(policy, samples[mix], planner))
-        print(f"round {round_ + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]['step_s']:.1f} s" for k, v in rows.items()), flush=True)
+        print(
+            f"round {round_ + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]['step_s']:.1f} s" for k, v in rows.items()),
+            flush=True,
+        )
 
     def ratio(a: str, b: str, key: str = "step_s") -> dict:
         per_round = [x[key] / y[key] for x, y in zip(rows[a], rows[b])]
@@ -178,8 +208,13 @@ def main() -> None:
         "rounds": args.rounds,
         "threads": torch.get_num_threads(),
         "prompt_tokens": sorted({len(s.prompt_ids) for s in samples["long"]}),
-        "completion_tokens": {mix: {"mean": statistics.mean(len(s.completion_ids) for s in samples[mix]),
-                                    "cut_at_max": sum(s.truncated for s in samples[mix])} for mix in MIXES},
+        "completion_tokens": {
+            mix: {
+                "mean": statistics.mean(len(s.completion_ids) for s in samples[mix]),
+                "cut_at_max": sum(s.truncated for s in samples[mix]),
+            }
+            for mix in MIXES
+        },
         "steps": {k: {key: statistics.median(r[key] for r in v) for key in v[0]} for k, v in rows.items()},
         "ratios": {
             "new / old, long": ratio("new long", "old long"),
@@ -209,12 +244,18 @@ def render(r: dict) -> str:
         "",
         "| completions | planner | micro-batches | tokens run: real / padded | step s (forward / backward) | RSS peak above start, MiB |",
         "|---|---|---:|---:|---:|---:|",
-        *(f"| {k.split()[1]} | {k.split()[0]} | {v['micro_batches']:.0f} | {v['real_tokens']:.0f} / {v['padded_tokens']:.0f} | "
-          f"{v['step_s']:.1f} ({v['forward_s']:.1f} / {v['backward_s']:.1f}) | {v['rss_peak_mib']:.0f} |" for k, v in s.items()),
+        *(
+            f"| {k.split()[1]} | {k.split()[0]} | {v['micro_batches']:.0f} | {v['real_tokens']:.0f} / {v['padded_tokens']:.0f} | "
+            f"{v['step_s']:.1f} ({v['forward_s']:.1f} / {v['backward_s']:.1f}) | {v['rss_peak_mib']:.0f} |"
+            for k, v in s.items()
+        ),
         "",
         "| ratio (median of per-round ratios) | value | per round |",
         "|---|---:|---|",
-        *(f"| step time, {k} | **{v['median']:.2f}** | {', '.join(f'{x:.2f}' for x in v['per_round'])} |" for k, v in q.items()),
+        *(
+            f"| step time, {k} | **{v['median']:.2f}** | {', '.join(f'{x:.2f}' for x in v['per_round'])} |"
+            for k, v in q.items()
+        ),
         f"| real tokens, short / long | {tokens['new']:.2f} | |",
         "",
         f"Loss, new vs. old planner: |difference| {r['loss_diff']['long']:.1e} (long), {r['loss_diff']['short']:.1e} (short).",

@@ -1,4 +1,5 @@
 """Fixtures shared by test modules."""
+
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see harness.py: set before torch loads

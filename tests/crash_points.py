@@ -9,6 +9,7 @@ with ``AGL_TEST_KILL`` set it patches that process:
   ``checkpoint``  dies inside the first checkpoint transaction, after its rows are written
                   and before COMMIT.
 """
+
 import os
 import signal
 

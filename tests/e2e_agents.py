@@ -3,6 +3,7 @@
 The tiny model's text is noise, so these rewards measure something noise varies in (how
 many vowels a reply has), which gives every GRPO group a spread of rewards to learn from.
 """
+
 import time
 import weakref
 
@@ -34,7 +35,9 @@ async def blocking_async_agent(task: dict, llm: agl.LLM, prompt_template: str, *
     time.sleep(1.2)
     client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, timeout=60, max_retries=0)
     reply = client.chat.completions.create(
-        model=llm.model, messages=[{"role": "user", "content": prompt_template.format(question=task["question"])}], **llm.sampling_parameters
+        model=llm.model,
+        messages=[{"role": "user", "content": prompt_template.format(question=task["question"])}],
+        **llm.sampling_parameters,
     )
     return vowel_rate(reply.choices[0].message.content or "")
 
@@ -47,7 +50,9 @@ def client_per_rollout_agent(task: dict, llm: agl.LLM, prompt_template: str, **_
     client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key)
     CLIENTS.append(weakref.ref(client))
     reply = client.chat.completions.create(
-        model=llm.model, messages=[{"role": "user", "content": prompt_template.format(question=task["question"])}], **llm.sampling_parameters
+        model=llm.model,
+        messages=[{"role": "user", "content": prompt_template.format(question=task["question"])}],
+        **llm.sampling_parameters,
     )
     return vowel_rate(reply.choices[0].message.content or "")
 

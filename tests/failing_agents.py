@@ -1,4 +1,5 @@
 """Agents that fail, for the tests of failed evals and training steps (tests/test_failures.py)."""
+
 import agl
 
 # Long on purpose: the job's error must carry it whole, not a first line or a truncation.

@@ -10,6 +10,7 @@ with ``"chunks"`` for streamed replies), so the test can hold it against the rec
 
 Each framework is imported inside its agents, so this module imports without any of them.
 """
+
 import asyncio
 import json
 import os
@@ -41,8 +42,14 @@ def _langchain_model(llm: agl.LLM, responses: bool = False):
 
     temperature, max_tokens = _sampling(llm)
     return ChatOpenAI(
-        model=llm.model, base_url=llm.base_url, api_key=llm.api_key, temperature=temperature, max_tokens=max_tokens,
-        max_retries=0, timeout=120, use_responses_api=responses,
+        model=llm.model,
+        base_url=llm.base_url,
+        api_key=llm.api_key,
+        temperature=temperature,
+        max_tokens=max_tokens,
+        max_retries=0,
+        timeout=120,
+        use_responses_api=responses,
     )
 
 
@@ -77,7 +84,9 @@ def langchain_multi_turn(task: dict, llm: agl.LLM, transcript: list, responses: 
     return _reward(_langchain_text(reply))
 
 
-def langchain_tools(task: dict, llm: agl.LLM, transcript: list, stream: bool = False, responses: bool = False, **_) -> float:
+def langchain_tools(
+    task: dict, llm: agl.LLM, transcript: list, stream: bool = False, responses: bool = False, **_
+) -> float:
     from langchain_core.messages import HumanMessage, SystemMessage, ToolMessage
     from langchain_core.tools import tool
 
@@ -92,8 +101,16 @@ def langchain_tools(task: dict, llm: agl.LLM, transcript: list, stream: bool = F
                 reply += chunk
         else:
             reply = model.invoke(messages)
-        entry = {"calls": [(c["name"], c["args"]) for c in reply.tool_calls]} if reply.tool_calls else {"text": _langchain_text(reply)}
-        transcript.append({**entry, "chunks": sum(bool(_langchain_text(c) or c.tool_call_chunks) for c in chunks)} if stream else entry)
+        entry = (
+            {"calls": [(c["name"], c["args"]) for c in reply.tool_calls]}
+            if reply.tool_calls
+            else {"text": _langchain_text(reply)}
+        )
+        transcript.append(
+            {**entry, "chunks": sum(bool(_langchain_text(c) or c.tool_call_chunks) for c in chunks)}
+            if stream
+            else entry
+        )
         messages.append(reply)
         if not reply.tool_calls:
             return _reward(_langchain_text(reply))
@@ -116,8 +133,15 @@ def _litellm():
 def _litellm_call(llm: agl.LLM, messages: list, **kwargs):
     temperature, max_tokens = _sampling(llm)
     return _litellm().completion(
-        model=f"openai/{llm.model}", api_base=llm.base_url, api_key=llm.api_key, messages=messages,
-        temperature=temperature, max_tokens=max_tokens, num_retries=0, timeout=120, **kwargs,
+        model=f"openai/{llm.model}",
+        api_base=llm.base_url,
+        api_key=llm.api_key,
+        messages=messages,
+        temperature=temperature,
+        max_tokens=max_tokens,
+        num_retries=0,
+        timeout=120,
+        **kwargs,
     )
 
 
@@ -126,13 +150,19 @@ ADD_TOOL = {
     "function": {
         "name": "add",
         "description": "Add two integers.",
-        "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]},
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
     },
 }
 
 
 def litellm_chat(task: dict, llm: agl.LLM, transcript: list, **_) -> float:
-    reply = _litellm_call(llm, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": task["question"]}])
+    reply = _litellm_call(
+        llm, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": task["question"]}]
+    )
     text = reply.choices[0].message.content or ""
     transcript.append({"text": text})
     return _reward(text)
@@ -170,13 +200,19 @@ def litellm_tools(task: dict, llm: agl.LLM, transcript: list, stream: bool = Fal
         else:
             message = _litellm_call(llm, messages, tools=[ADD_TOOL]).choices[0].message
         calls = message.tool_calls or []
-        entry = {"calls": [(c.function.name, json.loads(c.function.arguments)) for c in calls]} if calls else {"text": message.content or ""}
+        entry = (
+            {"calls": [(c.function.name, json.loads(c.function.arguments)) for c in calls]}
+            if calls
+            else {"text": message.content or ""}
+        )
         transcript.append({**entry, "chunks": chunks} if stream else entry)
         messages.append(message.model_dump(exclude_none=True))  # what LiteLLM's docs do: the message goes back as is
         if not calls:
             return _reward(message.content or "")
         for call in calls:
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(add(**json.loads(call.function.arguments)))})
+            messages.append(
+                {"role": "tool", "tool_call_id": call.id, "content": str(add(**json.loads(call.function.arguments)))}
+            )
     return 0.0
 
 
@@ -192,7 +228,12 @@ def _pydantic_agent(llm: agl.LLM, tools: bool = False, responses: bool = False, 
     provider = OpenAIProvider(base_url=llm.base_url, api_key=llm.api_key)
     model = (OpenAIResponsesModel if responses else OpenAIChatModel)(llm.model, provider=provider)
     settings = {"temperature": temperature, "max_tokens": max_tokens}
-    return Agent(model, instructions=instructions, model_settings={k: v for k, v in settings.items() if v is not None}, tools=[add] if tools else [])
+    return Agent(
+        model,
+        instructions=instructions,
+        model_settings={k: v for k, v in settings.items() if v is not None},
+        tools=[add] if tools else [],
+    )
 
 
 def pydantic_ai_chat(task: dict, llm: agl.LLM, transcript: list, responses: bool = False, **_) -> float:
@@ -228,11 +269,17 @@ def _pydantic_replies(messages) -> list[dict]:
     for message in messages:
         if isinstance(message, ModelResponse):
             calls = [(p.tool_name, p.args_as_dict()) for p in message.parts if isinstance(p, ToolCallPart)]
-            replies.append({"calls": calls} if calls else {"text": "".join(p.content for p in message.parts if isinstance(p, TextPart))})
+            replies.append(
+                {"calls": calls}
+                if calls
+                else {"text": "".join(p.content for p in message.parts if isinstance(p, TextPart))}
+            )
     return replies
 
 
-def pydantic_ai_tools(task: dict, llm: agl.LLM, transcript: list, stream: bool = False, responses: bool = False, **_) -> float:
+def pydantic_ai_tools(
+    task: dict, llm: agl.LLM, transcript: list, stream: bool = False, responses: bool = False, **_
+) -> float:
     agent = _pydantic_agent(llm, tools=True, responses=responses, instructions=INSTRUCTIONS)
     if not stream:
         result = agent.run_sync(task["question"])
@@ -258,7 +305,9 @@ def pydantic_ai_tools(task: dict, llm: agl.LLM, transcript: list, stream: bool =
             after_tools = False
         deltas[-1] += isinstance(event, (PartStartEvent, PartDeltaEvent))
     replies = _pydantic_replies(final.result.all_messages())
-    transcript += [{**reply, "chunks": n} for reply, n in zip(replies, deltas)] if len(deltas) == len(replies) else replies
+    transcript += (
+        [{**reply, "chunks": n} for reply, n in zip(replies, deltas)] if len(deltas) == len(replies) else replies
+    )
     return _reward(final.result.output)
 
 
@@ -272,7 +321,11 @@ def _agents_config(llm: agl.LLM, responses: bool):
 
     client = openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=0, timeout=120)
     provider = agents.OpenAIProvider(openai_client=client, use_responses=responses)
-    model = provider.get_model(llm.model) if responses else agents.OpenAIChatCompletionsModel(model=llm.model, openai_client=client)
+    model = (
+        provider.get_model(llm.model)
+        if responses
+        else agents.OpenAIChatCompletionsModel(model=llm.model, openai_client=client)
+    )
     return client, model, agents.RunConfig(model_provider=provider, tracing_disabled=True)
 
 
@@ -281,7 +334,10 @@ def _agents_agent(llm: agl.LLM, model, tools: bool = False, instructions: str | 
 
     temperature, max_tokens = _sampling(llm)
     return agents.Agent(
-        name="assistant", instructions=instructions, model=model, tools=[agents.function_tool(add)] if tools else [],
+        name="assistant",
+        instructions=instructions,
+        model=model,
+        tools=[agents.function_tool(add)] if tools else [],
         model_settings=agents.ModelSettings(temperature=temperature, max_tokens=max_tokens),
     )
 
@@ -290,7 +346,13 @@ def _agents_replies(result) -> list[dict]:
     replies = []
     for response in result.raw_responses:
         calls = [(item.name, json.loads(item.arguments)) for item in response.output if item.type == "function_call"]
-        text = "".join(part.text for item in response.output if item.type == "message" for part in item.content if part.type == "output_text")
+        text = "".join(
+            part.text
+            for item in response.output
+            if item.type == "message"
+            for part in item.content
+            if part.type == "output_text"
+        )
         replies.append({"calls": calls} if calls else {"text": text})
     return replies
 
@@ -300,7 +362,9 @@ async def openai_agents_chat(task: dict, llm: agl.LLM, transcript: list, respons
 
     client, model, config = _agents_config(llm, responses)
     async with client:
-        result = await agents.Runner.run(_agents_agent(llm, model, instructions="Be brief."), task["question"], run_config=config)
+        result = await agents.Runner.run(
+            _agents_agent(llm, model, instructions="Be brief."), task["question"], run_config=config
+        )
     transcript.append({"text": result.final_output})
     return _reward(result.final_output)
 
@@ -308,7 +372,11 @@ async def openai_agents_chat(task: dict, llm: agl.LLM, transcript: list, respons
 async def _agents_streamed(agent, run_input, config):
     """(result, streamed pieces per model reply)."""
     import agents
-    from openai.types.responses import ResponseCompletedEvent, ResponseFunctionCallArgumentsDeltaEvent, ResponseTextDeltaEvent
+    from openai.types.responses import (
+        ResponseCompletedEvent,
+        ResponseFunctionCallArgumentsDeltaEvent,
+        ResponseTextDeltaEvent,
+    )
 
     result = agents.Runner.run_streamed(agent, run_input, run_config=config)
     deltas = [0]
@@ -336,12 +404,16 @@ async def openai_agents_multi_turn(task: dict, llm: agl.LLM, transcript: list, r
     agent = _agents_agent(llm, model)
     async with client:
         first = await agents.Runner.run(agent, task["question"], run_config=config)
-        second = await agents.Runner.run(agent, first.to_input_list() + [{"role": "user", "content": FOLLOW_UP}], run_config=config)
+        second = await agents.Runner.run(
+            agent, first.to_input_list() + [{"role": "user", "content": FOLLOW_UP}], run_config=config
+        )
     transcript += [{"text": first.final_output}, {"text": second.final_output}]
     return _reward(second.final_output)
 
 
-async def openai_agents_tools(task: dict, llm: agl.LLM, transcript: list, stream: bool = False, responses: bool = True, **_) -> float:
+async def openai_agents_tools(
+    task: dict, llm: agl.LLM, transcript: list, stream: bool = False, responses: bool = True, **_
+) -> float:
     import agents
 
     client, model, config = _agents_config(llm, responses)
@@ -352,5 +424,9 @@ async def openai_agents_tools(task: dict, llm: agl.LLM, transcript: list, stream
         else:
             result = await agents.Runner.run(agent, task["question"], run_config=config)
     replies = _agents_replies(result)
-    transcript += [{**reply, "chunks": n} for reply, n in zip(replies, deltas)] if stream and len(deltas) == len(replies) else replies
+    transcript += (
+        [{**reply, "chunks": n} for reply, n in zip(replies, deltas)]
+        if stream and len(deltas) == len(replies)
+        else replies
+    )
     return _reward(result.final_output)

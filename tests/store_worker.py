@@ -72,8 +72,12 @@ async def crash(path: str, seed: int) -> None:
         for _ in range(rng.randint(0, 3)):
             span = await store.add_span(
                 Span(
-                    rollout_id=attempted.rollout_id, attempt_id=attempted.attempt.attempt_id, name="llm.chat",
-                    prompt_token_ids=tokens, response_token_ids=tokens, response_logprobs=logprobs,
+                    rollout_id=attempted.rollout_id,
+                    attempt_id=attempted.attempt.attempt_id,
+                    name="llm.chat",
+                    prompt_token_ids=tokens,
+                    response_token_ids=tokens,
+                    response_logprobs=logprobs,
                     attributes={"policy_version": 1},
                 )
             )
@@ -94,8 +98,11 @@ async def checkpoint(path: str) -> None:
         step += 1
         blob = os.urandom(1 << 20) * 2  # 2 MB
         await store.save_checkpoint(
-            step, step, {"sha": hashlib.sha256(blob).hexdigest(), "cursor": step * 8},
-            {"adapter": blob, "optimizer": blob[:1000]}, {"loss": 1.0 / step},
+            step,
+            step,
+            {"sha": hashlib.sha256(blob).hexdigest(), "cursor": step * 8},
+            {"adapter": blob, "optimizer": blob[:1000]},
+            {"loss": 1.0 / step},
         )
         say("C", step)
 

@@ -1,4 +1,5 @@
 """Spans to samples: masks, merge / no-merge, reward assignment (property tests)."""
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -10,9 +11,18 @@ tokens = st.lists(st.integers(0, 1000), min_size=1, max_size=12)
 
 def llm_span(seq, prompt, response, finish="stop", temperature=1.0, version=0):
     return Span(
-        rollout_id="r", attempt_id="a", sequence_id=seq, name="llm.chat",
-        prompt_token_ids=prompt, response_token_ids=response, response_logprobs=[-0.5 - i for i in range(len(response))],
-        attributes={"finish_reason": finish, "policy_version": version, "request": {"sampling": {"temperature": temperature}}},
+        rollout_id="r",
+        attempt_id="a",
+        sequence_id=seq,
+        name="llm.chat",
+        prompt_token_ids=prompt,
+        response_token_ids=response,
+        response_logprobs=[-0.5 - i for i in range(len(response))],
+        attributes={
+            "finish_reason": finish,
+            "policy_version": version,
+            "request": {"sampling": {"temperature": temperature}},
+        },
     )
 
 

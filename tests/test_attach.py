@@ -7,6 +7,7 @@ uncharged is rerun with the seeds of the try it replaces, and the run must end b
 one whose runners all lived in the job's process. runner.max_attempts=1: an attempt charged to the
 agent would fail its rollout.
 """
+
 import os
 import signal
 import time
@@ -16,10 +17,23 @@ import psutil
 from test_reproducible import adapter, finish, harness, metrics, query
 
 RUN = [
-    "model=tiny", "algo=grpo", "progress=false", "runner.max_attempts=1", "task=hello", "seed=3",
-    "task.agent=attach_agents:slow_agent", "task.data=attach_agents:load", "task.max_tokens=6",
-    "+task.resources.max_turns=2", "task.eval_size=4", "algo.steps=6", "algo.eval_every=3",
-    "algo.batch_size=2", "algo.group_size=4", "algo.micro_batch_size=4", "algo.lr=1e-2",
+    "model=tiny",
+    "algo=grpo",
+    "progress=false",
+    "runner.max_attempts=1",
+    "task=hello",
+    "seed=3",
+    "task.agent=attach_agents:slow_agent",
+    "task.data=attach_agents:load",
+    "task.max_tokens=6",
+    "+task.resources.max_turns=2",
+    "task.eval_size=4",
+    "algo.steps=6",
+    "algo.eval_every=3",
+    "algo.batch_size=2",
+    "algo.group_size=4",
+    "algo.micro_batch_size=4",
+    "algo.lr=1e-2",
 ]
 PROCESSES = ["runner.n=0", "runner.processes=2", "runner.per_process=4"]
 
@@ -28,10 +42,15 @@ def busy_sessions(run_dir: Path) -> dict[int, int]:
     """pid -> attempts in flight, for every open store session (none before the store exists)."""
     if not (run_dir / "store.sqlite").is_file():
         return {}
-    return dict(query(run_dir, (
-        "SELECT s.pid, count(a.attempt_id) FROM sessions s LEFT JOIN attempts a "
-        "ON a.session_id = s.session_id AND a.status IN ('preparing', 'running') WHERE s.closed_time IS NULL GROUP BY s.pid"
-    )))
+    return dict(
+        query(
+            run_dir,
+            (
+                "SELECT s.pid, count(a.attempt_id) FROM sessions s LEFT JOIN attempts a "
+                "ON a.session_id = s.session_id AND a.status IN ('preparing', 'running') WHERE s.closed_time IS NULL GROUP BY s.pid"
+            ),
+        )
+    )
 
 
 def wait_for(find, what: str, timeout: float = 60.0):
@@ -59,7 +78,9 @@ def test_runner_processes_run_the_same_job_and_stopping_any_process_costs_nothin
     by_hand = None
 
     def busy_runner(*other_than: int) -> int | None:
-        return next((pid for pid, n in busy_sessions(run_dir).items() if n >= 2 and pid not in (job.pid, *other_than)), None)
+        return next(
+            (pid for pid, n in busy_sessions(run_dir).items() if n >= 2 and pid not in (job.pid, *other_than)), None
+        )
 
     try:
         # kill -9 one of the job's runner processes while it runs rollouts
@@ -87,10 +108,13 @@ def test_runner_processes_run_the_same_job_and_stopping_any_process_costs_nothin
     assert query(run_dir, "SELECT count(*) FROM rollouts WHERE status != 'succeeded'") == [(0,)]
     # every attempt that did not succeed was handed back uncharged: by the killed runner process,
     # the interrupted one, and the one whose job was killed
-    ended = query(run_dir, (
-        "SELECT s.pid, json_extract(a.metadata, '$.harness_ended') FROM attempts a JOIN sessions s USING (session_id) "
-        "WHERE a.status != 'succeeded' GROUP BY 1, 2"
-    ))
+    ended = query(
+        run_dir,
+        (
+            "SELECT s.pid, json_extract(a.metadata, '$.harness_ended') FROM attempts a JOIN sessions s USING (session_id) "
+            "WHERE a.status != 'succeeded' GROUP BY 1, 2"
+        ),
+    )
     assert set(ended) == {(victim, "dead"), (by_hand.pid, "closed"), (survivor, "closed")}, ended
     # the job withdrew its route; a runner process then refuses to start
     late = harness("algo=runner", f"attach={run_dir}")
@@ -108,7 +132,9 @@ def test_the_job_fails_when_all_its_runner_processes_exit(tmp_path):
     run_dir = tmp_path / "run"
     job = harness(*RUN, "runner.n=0", "runner.processes=1", f"hydra.run.dir={run_dir}")
     try:
-        child = wait_for(lambda: next((pid for pid in busy_sessions(run_dir) if pid != job.pid), None), "the runner process")
+        child = wait_for(
+            lambda: next((pid for pid in busy_sessions(run_dir) if pid != job.pid), None), "the runner process"
+        )
         os.kill(child, signal.SIGKILL)
         out, _ = job.communicate(timeout=120)
     finally:

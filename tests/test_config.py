@@ -1,4 +1,5 @@
 """The typed configs (agl/config/schema.py) are the one home of defaults; a mistyped override fails naming its key."""
+
 import dataclasses
 import subprocess
 import sys
@@ -15,11 +16,20 @@ ROOT = Path(__file__).resolve().parents[1]
 CONF = str(ROOT / "conf")
 
 
-@pytest.mark.parametrize("override, key", [
-    ("algo.lrr=1", "algo.lrr"), ("+algo.lrr=1", "algo.lrr"), ("algo.warmup.lrr=1", "algo.warmup.lrr"),
-    ("runner.nn=1", "runner.nn"), ("engine.weight=adapter", "engine.weight"), ("server.prot=1", "server.prot"),
-    ("seeed=1", "seeed"), ("model.lora.rr=4", "model.lora.rr"), ("+task.foo=1", "task.foo"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("algo.lrr=1", "algo.lrr"),
+        ("+algo.lrr=1", "algo.lrr"),
+        ("algo.warmup.lrr=1", "algo.warmup.lrr"),
+        ("runner.nn=1", "runner.nn"),
+        ("engine.weight=adapter", "engine.weight"),
+        ("server.prot=1", "server.prot"),
+        ("seeed=1", "seeed"),
+        ("model.lora.rr=4", "model.lora.rr"),
+        ("+task.foo=1", "task.foo"),
+    ],
+)
 def test_a_mistyped_key_in_each_typed_group_is_rejected_by_name(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         compose_checked(CONF, ["algo=grpo", override])
@@ -50,14 +60,18 @@ def test_a_wrong_type_is_rejected():
 
 
 def test_open_dicts_of_a_task_take_new_keys():
-    cfg = compose_checked(CONF, ["task=hello", "+task.resources.max_turns=3",  "+task.prompts.marked='x {question}'"])
+    cfg = compose_checked(CONF, ["task=hello", "+task.resources.max_turns=3", "+task.prompts.marked='x {question}'"])
     assert cfg.task.resources.max_turns == 3 and cfg.task.prompts.marked == "x {question}"
 
 
 def test_harness_prints_one_line_and_exits_2():
-    result = subprocess.run([sys.executable, str(ROOT / "harness.py"), "algo=grpo", "algo.lrr=1"], capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "harness.py"), "algo=grpo", "algo.lrr=1"], capture_output=True, text=True, cwd=ROOT
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
-    assert result.stderr.startswith("error: ") and "algo.lrr" in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("error: ") and "algo.lrr" in result.stderr and result.stderr.count("\n") == 1, (
+        result.stderr
+    )
 
 
 def resolved(*overrides):
@@ -77,7 +91,12 @@ def test_grpo_config_defaults_are_the_composed_yaml():
 
 def test_a_run_saved_before_a_key_existed_resumes_with_its_default(tmp_path):
     cfg = OmegaConf.to_container(compose_checked(CONF, ["algo=grpo", "model=tiny"]))
-    del cfg["engine"]["weights"], cfg["engine"]["batch_invariant"], cfg["runner"]["processes"], cfg["algo"]["old_logprobs"]
+    del (
+        cfg["engine"]["weights"],
+        cfg["engine"]["batch_invariant"],
+        cfg["runner"]["processes"],
+        cfg["algo"]["old_logprobs"],
+    )
     (tmp_path / ".hydra").mkdir()
     OmegaConf.save(OmegaConf.create(cfg), tmp_path / ".hydra" / "config.yaml")
     loaded = resumed_config(OmegaConf.create({"resume": str(tmp_path)}))

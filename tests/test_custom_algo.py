@@ -4,6 +4,7 @@ On the tiny random model, with an agent whose reward the prompt template decides
 (workflow_agents.marker_agent): the README's find_best_prompt (tests/my_algo.py) must pick
 the marked template, through the harness and through ``agl.run``.
 """
+
 import json
 import os
 import re
@@ -24,14 +25,21 @@ from agl.jobs.custom import PROVIDED, load_algorithm
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["model=tiny", "progress=false", "runner.n=8", "task.max_tokens=6"]
-MARKED = TINY + ["task=hello", "task.agent=workflow_agents:marker_agent", "+task.prompts.marked='[BEST] {question}'", "algo=custom"]
+MARKED = TINY + [
+    "task=hello",
+    "task.agent=workflow_agents:marker_agent",
+    "+task.prompts.marked='[BEST] {question}'",
+    "algo=custom",
+]
 FIND_BEST = MARKED + ["algo.fn=my_algo:find_best_prompt"]
 
 
 def harness(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
     env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([sys.executable, "harness.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "harness.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def status(run_dir: Path) -> dict:
@@ -40,7 +48,9 @@ def status(run_dir: Path) -> dict:
 
 def llm_sampling(run_dir: Path) -> list[dict]:
     with sqlite3.connect(run_dir / "store.sqlite") as conn:
-        rows = conn.execute("SELECT json_extract(attributes, '$.request.sampling') FROM spans WHERE name LIKE 'llm.%'").fetchall()
+        rows = conn.execute(
+            "SELECT json_extract(attributes, '$.request.sampling') FROM spans WHERE name LIKE 'llm.%'"
+        ).fetchall()
     return [json.loads(r[0]) for r in rows]
 
 
@@ -54,10 +64,10 @@ def assert_marked_wins(result: dict) -> None:
 # ----------------------------------------------------------------------------- the harness
 
 
-
 def test_readme_find_best_prompt_is_tests_my_algo():
     """The README's own-algorithm example is tests/my_algo.py verbatim (the file the tests run)."""
     assert (ROOT / "tests" / "my_algo.py").read_text().strip() in (ROOT / "README.md").read_text()
+
 
 def test_harness_runs_the_readme_algorithm_and_report_reads_its_run(tmp_path):
     run_dir = tmp_path / "run"
@@ -70,7 +80,9 @@ def test_harness_runs_the_readme_algorithm_and_report_reads_its_run(tmp_path):
     # 3 templates x 4 tasks, each under its own resources version, decoded with algo's defaults
     # (greedy, task.max_tokens): find_best_prompt enqueues them without any sampling settings
     with sqlite3.connect(run_dir / "store.sqlite") as conn:
-        assert conn.execute("SELECT count(*), count(DISTINCT resources_id) FROM rollouts WHERE status = 'succeeded'").fetchone() == (12, 3)
+        assert conn.execute(
+            "SELECT count(*), count(DISTINCT resources_id) FROM rollouts WHERE status = 'succeeded'"
+        ).fetchone() == (12, 3)
     assert [(s["temperature"], s["max_tokens"]) for s in llm_sampling(run_dir)] == [(0.0, 6)] * 12
 
     report = harness(f"report={run_dir}")
@@ -84,7 +96,9 @@ def test_harness_says_what_is_wrong_with_algo_fn(tmp_path):
     run_dir = tmp_path / "run"
     done = harness(*MARKED, "algo.fn=workflow_agents:marker_agent", f"hydra.run.dir={run_dir}")
     assert done.returncode == 2, done.stdout[-3000:]
-    message = "algo.fn 'workflow_agents:marker_agent' must be an async function: it is not async (define it with async def)"
+    message = (
+        "algo.fn 'workflow_agents:marker_agent' must be an async function: it is not async (define it with async def)"
+    )
     assert f"error: {message}" in done.stderr and "Traceback" not in done.stderr, done.stderr
     assert status(run_dir)["status"] == "failed" and status(run_dir)["error"] == f"ConfigError: {message}"
     assert not (run_dir / "store.sqlite").exists()  # refused before the model loaded
@@ -109,18 +123,29 @@ def algo(fn, **args):
     return OmegaConf.create({"name": "custom", "fn": fn, "args": args})
 
 
-@pytest.mark.parametrize("spec, args, message", [
-    (None, {}, "algo=custom needs algo.fn=module:function"),
-    ("find_best_prompt", {}, "'find_best_prompt' should look like 'package.module:function'"),
-    ("no_such_module:fn", {}, "cannot import 'no_such_module:fn': No module named 'no_such_module'"),
-    ("my_algo:no_such_fn", {}, "cannot import 'my_algo:no_such_fn'"),
-    ("workflow_agents:marker_agent", {}, "must be an async function: it is not async"),
-    ("workflow_agents:MARKER", {}, "must be an async function: it is a str, not a function"),
-    ("test_custom_algo:needs_prompts", {}, "needs ['prompts_to_test']: agl passes only store, task, rows"),
-    ("test_custom_algo:needs_prompts", {"prompts_to_test": [1], "task_inptu": "x"}, "algo.args ['task_inptu'] are not parameters"),
-    ("test_custom_algo:needs_prompts", {"prompts_to_test": [1], "store": 1}, "algo.args ['store'] are passed by agl"),
-    ("test_custom_algo:positional_only", {}, "so ['store'] cannot be positional-only"),
-])
+@pytest.mark.parametrize(
+    "spec, args, message",
+    [
+        (None, {}, "algo=custom needs algo.fn=module:function"),
+        ("find_best_prompt", {}, "'find_best_prompt' should look like 'package.module:function'"),
+        ("no_such_module:fn", {}, "cannot import 'no_such_module:fn': No module named 'no_such_module'"),
+        ("my_algo:no_such_fn", {}, "cannot import 'my_algo:no_such_fn'"),
+        ("workflow_agents:marker_agent", {}, "must be an async function: it is not async"),
+        ("workflow_agents:MARKER", {}, "must be an async function: it is a str, not a function"),
+        ("test_custom_algo:needs_prompts", {}, "needs ['prompts_to_test']: agl passes only store, task, rows"),
+        (
+            "test_custom_algo:needs_prompts",
+            {"prompts_to_test": [1], "task_inptu": "x"},
+            "algo.args ['task_inptu'] are not parameters",
+        ),
+        (
+            "test_custom_algo:needs_prompts",
+            {"prompts_to_test": [1], "store": 1},
+            "algo.args ['store'] are passed by agl",
+        ),
+        ("test_custom_algo:positional_only", {}, "so ['store'] cannot be positional-only"),
+    ],
+)
 def test_bad_algo_fn_is_a_config_error(spec, args, message):
     with pytest.raises(ConfigError) as error:
         load_algorithm(algo(spec, **args))
@@ -129,9 +154,15 @@ def test_bad_algo_fn_is_a_config_error(spec, args, message):
 
 def test_parameters_are_matched_by_name():
     fn, provided = load_algorithm(algo("my_algo:find_best_prompt"))
-    assert fn.__name__ == "find_best_prompt" and provided == ["store", "task", "rows"]  # tasks_per_prompt keeps its default
+    assert fn.__name__ == "find_best_prompt" and provided == [
+        "store",
+        "task",
+        "rows",
+    ]  # tasks_per_prompt keeps its default
     assert load_algorithm(algo("test_custom_algo:needs_prompts", prompts_to_test=["a"]))[1] == ["store"]
-    assert load_algorithm(algo("test_custom_algo:takes_all", anything=1))[1] == list(PROVIDED)  # **kwargs: all, and any args
+    assert load_algorithm(algo("test_custom_algo:takes_all", anything=1))[1] == list(
+        PROVIDED
+    )  # **kwargs: all, and any args
 
 
 # ----------------------------------------------------------------------------- agl.run
@@ -153,25 +184,48 @@ async def test_agl_run_inside_a_running_loop_returns_the_result(tmp_path):
 async def probe(store, llm, cfg, run_dir, eval_rows, runtime, greeting, **rest):
     """Uses what agl passes: the policy through the unrecorded route, and one rollout with its own decoding."""
     client = openai.AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key)
-    reply = await client.chat.completions.create(model=llm.model, messages=[{"role": "user", "content": greeting}], **llm.sampling_parameters)
-    await store.add_resources({"prompt_template": "[BEST] {question}"})  # the latest: rollouts without resources_id get it
-    rollout = await store.enqueue_rollout(input=eval_rows[0], metadata={"sampling": {"max_tokens": 2, "temperature": 0.0}})
+    reply = await client.chat.completions.create(
+        model=llm.model, messages=[{"role": "user", "content": greeting}], **llm.sampling_parameters
+    )
+    await store.add_resources(
+        {"prompt_template": "[BEST] {question}"}
+    )  # the latest: rollouts without resources_id get it
+    rollout = await store.enqueue_rollout(
+        input=eval_rows[0], metadata={"sampling": {"max_tokens": 2, "temperature": 0.0}}
+    )
     [done] = await store.wait_for_rollouts([rollout.rollout_id])
     return {
-        "rest": sorted(rest), "run_dir": str(run_dir), "eval_rows": [r["id"] for r in eval_rows], "algo": cfg.algo.name,
-        "same_store": runtime.store is store, "reply_tokens": reply.usage.completion_tokens, "status": done.status,
+        "rest": sorted(rest),
+        "run_dir": str(run_dir),
+        "eval_rows": [r["id"] for r in eval_rows],
+        "algo": cfg.algo.name,
+        "same_store": runtime.store is store,
+        "reply_tokens": reply.usage.completion_tokens,
+        "status": done.status,
         "rollout": done,  # a pydantic model: the result is made JSON-safe
     }
 
 
 def test_agl_run_passes_what_the_function_asks_for(tmp_path):
     run_dir = tmp_path / "run"
-    result = agl.run(*MARKED, "algo.fn=test_custom_algo:probe", "+algo.args.greeting=hi", "task.eval_size=3", run_dir=run_dir)
+    result = agl.run(
+        *MARKED, "algo.fn=test_custom_algo:probe", "+algo.args.greeting=hi", "task.eval_size=3", run_dir=run_dir
+    )
     assert result["rest"] == ["rows", "task"]  # **rest: what agl passes and the named parameters did not take
-    assert result["run_dir"] == str(run_dir) and result["eval_rows"] == ["test-0", "test-1", "test-2"] and result["algo"] == "custom"
+    assert (
+        result["run_dir"] == str(run_dir)
+        and result["eval_rows"] == ["test-0", "test-1", "test-2"]
+        and result["algo"] == "custom"
+    )
     assert result["same_store"] is True and 1 <= result["reply_tokens"] <= 6  # llm.sampling_parameters: task.max_tokens
-    assert result["status"] == "succeeded" and result["rollout"]["rollout_id"] and result["rollout"]["status"] == "succeeded"
-    assert [s["max_tokens"] for s in llm_sampling(run_dir)] == [2]  # its own decoding won; the unscoped call is not recorded
+    assert (
+        result["status"] == "succeeded"
+        and result["rollout"]["rollout_id"]
+        and result["rollout"]["status"] == "succeeded"
+    )
+    assert [s["max_tokens"] for s in llm_sampling(run_dir)] == [
+        2
+    ]  # its own decoding won; the unscoped call is not recorded
     assert status(run_dir)["result"] == result
 
 
@@ -183,7 +237,10 @@ def test_agl_run_picks_harness_run_dirs_and_records_failures(tmp_path, monkeypat
         with pytest.raises(ConfigError, match="algo=custom needs algo.fn"):
             agl.run("task=hello", "algo=custom")
     runs = sorted((tmp_path / "outputs").glob("*/*"))
-    assert [str(p.relative_to(tmp_path)) for p in runs] == ["outputs/2030-01-02/03-04-05_hello_custom", "outputs/2030-01-02/03-04-05_hello_custom-1"]
+    assert [str(p.relative_to(tmp_path)) for p in runs] == [
+        "outputs/2030-01-02/03-04-05_hello_custom",
+        "outputs/2030-01-02/03-04-05_hello_custom-1",
+    ]
     for run_dir in runs:  # the second did not resume the first: each failed on its own
         assert status(run_dir)["status"] == "failed" and "algo.fn" in status(run_dir)["error"]
         assert (run_dir / "error.log").is_file() and (run_dir / ".hydra" / "config.yaml").is_file()

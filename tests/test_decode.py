@@ -1,4 +1,5 @@
 """agl.policy.decode's step computes what the model's forward computes, and the engine samples the same with it."""
+
 import asyncio
 
 import pytest
@@ -23,7 +24,14 @@ def prefilled(model, ids, mask):
     cache = slot_cache()
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.inference_mode():
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
     return cache, out.logits[:, -1].argmax(-1)
 
 
@@ -41,10 +49,18 @@ def decode_both(policy, steps=5):
     for _ in range(steps):
         mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], dim=1)
         with torch.inference_mode():
-            expected = merged.model()(
-                input_ids=tokens[:, None], attention_mask=mask, position_ids=positions[:, None],
-                past_key_values=cache_model, use_cache=True, logits_to_keep=1,
-            ).logits[:, -1].float()
+            expected = (
+                merged.model()(
+                    input_ids=tokens[:, None],
+                    attention_mask=mask,
+                    position_ids=positions[:, None],
+                    past_key_values=cache_model,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                .logits[:, -1]
+                .float()
+            )
             got = step(tokens, positions, mask, cache_step)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
         tokens, positions = expected.argmax(-1), positions + 1
@@ -72,7 +88,10 @@ def test_the_adapter_path_falls_back_to_the_model_forward(policy):
 
 
 def test_the_engine_samples_the_same_tokens_and_logprobs_either_way(policy):
-    prompts = [policy.render_chat([{"role": "user", "content": text}]) for text in ("Hi", "What is 2 + 2? Think.", "Name a colour")]
+    prompts = [
+        policy.render_chat([{"role": "user", "content": text}])
+        for text in ("Hi", "What is 2 + 2? Think.", "Name a colour")
+    ]
 
     async def run(decode):
         engine = Engine(policy, decode=decode)

@@ -5,6 +5,7 @@ rows retire and others take their slots mid-batch (agl.policy.kv_cache's slot mo
 left padding). Every sequence must get the tokens and log-probs it gets decoded alone. The
 cache's buffers get no spare room here, so they grow and compact as often as they can.
 """
+
 import asyncio
 
 import pytest
@@ -45,7 +46,10 @@ def alone(policy):
         engine = Engine(policy, batch_invariant=True)
         await engine.start()
         try:
-            seqs = [engine.submit(p, SamplingParams(max_tokens=LONGEST, temperature=0.0, ignore_eos=True))[0] for p in prompts]
+            seqs = [
+                engine.submit(p, SamplingParams(max_tokens=LONGEST, temperature=0.0, ignore_eos=True))[0]
+                for p in prompts
+            ]
             await asyncio.gather(*(s.wait() for s in seqs))
         finally:
             await engine.stop()
@@ -56,7 +60,9 @@ def alone(policy):
 
 # (prompt, max_tokens, delay in event-loop ticks, n: continuations sharing one prefill)
 requests = st.lists(
-    st.tuples(st.integers(0, len(TEXTS) - 1), st.integers(1, LONGEST), st.integers(0, 6), st.integers(1, 2)), min_size=2, max_size=9
+    st.tuples(st.integers(0, len(TEXTS) - 1), st.integers(1, LONGEST), st.integers(0, 6), st.integers(1, 2)),
+    min_size=2,
+    max_size=9,
 )
 
 
@@ -73,7 +79,9 @@ def test_scattered_requests_get_what_they_get_alone(policy, alone, decode, sched
         async def request(prompt, max_tokens, delay, n):
             for _ in range(delay):  # let the engine take a few steps first
                 await asyncio.sleep(0.002)
-            seqs = engine.submit(prompts[prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), n=n)
+            seqs = engine.submit(
+                prompts[prompt], SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), n=n
+            )
             return await asyncio.gather(*(s.wait() for s in seqs))
 
         try:
@@ -85,4 +93,6 @@ def test_scattered_requests_get_what_they_get_alone(policy, alone, decode, sched
         tokens, logprobs = expected[prompt]
         for seq in seqs:
             assert seq.token_ids == tokens[:max_tokens]
-            torch.testing.assert_close(torch.tensor(seq.logprobs), torch.tensor(logprobs[:max_tokens]), atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor(seq.logprobs), torch.tensor(logprobs[:max_tokens]), atol=1e-4, rtol=0
+            )

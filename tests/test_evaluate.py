@@ -1,4 +1,5 @@
 """Eval summaries and the trainer's resumable task cursor."""
+
 import pytest
 
 from agl.eval.evaluate import summarize
@@ -7,10 +8,31 @@ from agl.train.resume import TaskCursor
 
 def test_summary_counts_failed_rollouts_as_zero_and_averages_metrics():
     rows = [
-        {"rollout_id": "a", "status": "succeeded", "task_id": "t1", "reward": 1.0, "correct": 1.0, "completion_tokens": 10},
-        {"rollout_id": "b", "status": "succeeded", "task_id": "t1", "reward": 0.1, "correct": 0.0, "completion_tokens": 30},
+        {
+            "rollout_id": "a",
+            "status": "succeeded",
+            "task_id": "t1",
+            "reward": 1.0,
+            "correct": 1.0,
+            "completion_tokens": 10,
+        },
+        {
+            "rollout_id": "b",
+            "status": "succeeded",
+            "task_id": "t1",
+            "reward": 0.1,
+            "correct": 0.0,
+            "completion_tokens": 30,
+        },
         {"rollout_id": "c", "status": "failed", "task_id": "t2"},
-        {"rollout_id": "d", "status": "succeeded", "task_id": "t2", "reward": 0.0, "correct": 0.0, "completion_tokens": 20},
+        {
+            "rollout_id": "d",
+            "status": "succeeded",
+            "task_id": "t2",
+            "reward": 0.0,
+            "correct": 0.0,
+            "completion_tokens": 20,
+        },
     ]
     summary = summarize(rows, k=2)
     assert summary["reward"] == pytest.approx(1.1 / 4)
@@ -52,8 +74,14 @@ class StoreOnlyRuntime:
             return list(existing)
         rollouts = await self.store.enqueue_rollouts(list(inputs), mode=mode, metadata=list(metadata))
         while (got := await self.store.dequeue_rollout()) is not None:
-            await self.store.add_span(Span(rollout_id=got.rollout_id, attempt_id=got.attempt.attempt_id,
-                                           name="reward", attributes={"reward": 1.0}))
+            await self.store.add_span(
+                Span(
+                    rollout_id=got.rollout_id,
+                    attempt_id=got.attempt.attempt_id,
+                    name="reward",
+                    attributes={"reward": 1.0},
+                )
+            )
             await self.store.update_attempt(got.rollout_id, "latest", status="succeeded")
         return await self.store.query_rollouts(rollout_ids=[r.rollout_id for r in rollouts])
 

@@ -1,5 +1,6 @@
 """Jobs whose rollouts fail say so: all failed -> the job fails with the most common error in
 full (status.json `failed`, non-zero exit); some failed -> the eval table says how many and why."""
+
 import json
 import os
 import subprocess
@@ -16,7 +17,14 @@ from agl.jobs.eval import run_eval
 from agl.jobs.grpo import train
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["model=tiny", "progress=false", "task=custom", "task.data=failing_agents:load", "task.eval_size=4", "task.max_tokens=4"]
+TINY = [
+    "model=tiny",
+    "progress=false",
+    "task=custom",
+    "task.data=failing_agents:load",
+    "task.eval_size=4",
+    "task.max_tokens=4",
+]
 
 
 def compose_cfg(overrides):
@@ -26,19 +34,36 @@ def compose_cfg(overrides):
 
 def test_most_common_error_and_its_description():
     assert most_common(["b", "a", "a", "b", "c"]) == ("b", 2)
-    assert Failures(4, 4, "E: x", 4).describe("eval test") == "4 of 4 rollouts of eval test failed; the most common error (4 of 4): E: x"
+    assert (
+        Failures(4, 4, "E: x", 4).describe("eval test")
+        == "4 of 4 rollouts of eval test failed; the most common error (4 of 4): E: x"
+    )
 
 
 def test_an_eval_whose_every_rollout_fails_fails_with_the_error_in_full(tmp_path):
     run_dir = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "harness.py", *TINY, "task.agent=failing_agents:always_fails", "algo=eval", f"hydra.run.dir={run_dir}"],
-        cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")}, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "harness.py",
+            *TINY,
+            "task.agent=failing_agents:always_fails",
+            "algo=eval",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")},
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode != 0, result.stdout
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "failed"
-    assert status["error"] == f"RolloutsFailed: 4 of 4 rollouts of eval test failed; the most common error (4 of 4): ConnectionError: {ERROR}"
+    assert (
+        status["error"]
+        == f"RolloutsFailed: 4 of 4 rollouts of eval test failed; the most common error (4 of 4): ConnectionError: {ERROR}"
+    )
     assert ERROR in result.stderr
     assert not (run_dir / "eval.md").exists()  # no table of zeros that looks like a score
 
@@ -51,7 +76,21 @@ async def test_an_eval_where_some_rollouts_fail_says_how_many_and_why(tmp_path, 
 
 
 async def test_a_training_step_whose_every_rollout_fails_fails_the_job(tmp_path):
-    cfg = compose_cfg(TINY + ["task.agent=failing_agents:fails_in_training", "task.eval_size=2", "algo=grpo", "algo.steps=2",
-                              "algo.batch_size=2", "algo.group_size=2", "algo.micro_batch_size=2", "runner.max_attempts=1"])
-    with pytest.raises(RolloutsFailed, match="4 of 4 rollouts of training step 0 failed; the most common error \\(4 of 4\\): RuntimeError: training rollouts always fail"):
+    cfg = compose_cfg(
+        TINY
+        + [
+            "task.agent=failing_agents:fails_in_training",
+            "task.eval_size=2",
+            "algo=grpo",
+            "algo.steps=2",
+            "algo.batch_size=2",
+            "algo.group_size=2",
+            "algo.micro_batch_size=2",
+            "runner.max_attempts=1",
+        ]
+    )
+    with pytest.raises(
+        RolloutsFailed,
+        match="4 of 4 rollouts of training step 0 failed; the most common error \\(4 of 4\\): RuntimeError: training rollouts always fail",
+    ):
         await train(to_typed(cfg), tmp_path)

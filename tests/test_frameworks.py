@@ -15,6 +15,7 @@ write the given tokens): the test knows the exact ids each call must record. One
 framework runs on the embedded SmolLM2-135M with greedy decoding: there the tool call is scripted
 (135M does not call tools on its own) and every other reply is the model's own.
 """
+
 import asyncio
 import importlib
 import inspect
@@ -77,7 +78,9 @@ def scripted(served, *scripts):
 def run(served, agent, sampling: dict, **kwargs):
     """Run an agent on a fresh rollout attempt's route, as the runner does: (reward, transcript, spans)."""
     rid, aid = served.new_attempt()
-    llm = agl.LLM(base_url=served.server.rollout_base_url(rid, aid), model=served.policy.name, sampling_parameters=sampling)
+    llm = agl.LLM(
+        base_url=served.server.rollout_base_url(rid, aid), model=served.policy.name, sampling_parameters=sampling
+    )
     transcript: list[dict] = []
     reward = agent({"id": "t0", "question": QUESTION}, llm, transcript=transcript, **kwargs)
     if inspect.iscoroutine(reward):
@@ -91,7 +94,9 @@ def reply_ids(span) -> list[int]:
 
 
 def calls_of(span) -> list:
-    return [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in span.attributes["tool_calls"] or []]
+    return [
+        (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in span.attributes["tool_calls"] or []
+    ]
 
 
 def check(served, spans, transcript, reward, tools=False):
@@ -113,7 +118,9 @@ def check(served, spans, transcript, reward, tools=False):
     assert messages[-1] == {"role": "user", "content": QUESTION}
     if tools:
         assert [t["function"]["name"] for t in first.attributes["request"]["tools"]] == ["add"]
-        assert '"name": "add"' in decode(tok, first.prompt_token_ids) and "<tool_call>" in decode(tok, first.prompt_token_ids)
+        assert '"name": "add"' in decode(tok, first.prompt_token_ids) and "<tool_call>" in decode(
+            tok, first.prompt_token_ids
+        )
     else:
         assert first.prompt_token_ids == served.policy.render_chat(messages)
     for before, after in zip(spans, spans[1:]):
@@ -167,7 +174,9 @@ def test_multi_turn(served, name):
     assert transcript == [{"text": SAY}, {"text": SAY_AGAIN}] and reward == 1.0
     check(served, spans, transcript, reward)
     follow_up = spans[1].attributes["request"]["messages"]
-    assert [m["role"] for m in follow_up][-3:] == ["user", "assistant", "user"] and follow_up[-1]["content"] == framework_agents.FOLLOW_UP
+    assert [m["role"] for m in follow_up][-3:] == ["user", "assistant", "user"] and follow_up[-1][
+        "content"
+    ] == framework_agents.FOLLOW_UP
 
 
 @names
@@ -179,13 +188,18 @@ def test_tool_call_then_answer(served, name, stream):
     tok = served.policy.tokenizer
     with scripted(served, tok.encode(CALL), tok.encode(ANSWER)):
         reward, transcript, spans = run(served, agent, TINY, stream=stream, **kwargs)
-    assert [{k: v for k, v in said.items() if k != "chunks"} for said in transcript] == [{"calls": [("add", {"a": 1, "b": 2})]}, {"text": ANSWER}]
+    assert [{k: v for k, v in said.items() if k != "chunks"} for said in transcript] == [
+        {"calls": [("add", {"a": 1, "b": 2})]},
+        {"text": ANSWER},
+    ]
     assert reward == 1.0
     if stream:
         assert all(said.get("chunks", 0) > 2 for said in transcript), transcript
     check(served, spans, transcript, reward, tools=True)
-    assert spans[0].response_token_ids == tok.encode(CALL) + [EOS] and spans[1].response_token_ids == tok.encode(ANSWER) + [EOS]
-    result = tok.decode(spans[1].prompt_token_ids[len(spans[0].prompt_token_ids) + len(spans[0].response_token_ids):])
+    assert spans[0].response_token_ids == tok.encode(CALL) + [EOS] and spans[1].response_token_ids == tok.encode(
+        ANSWER
+    ) + [EOS]
+    result = tok.decode(spans[1].prompt_token_ids[len(spans[0].prompt_token_ids) + len(spans[0].response_token_ids) :])
     assert "<tool_response>\n3\n</tool_response>" in result  # the tool's result, as the framework sent it
     assert spans[1].attributes["request"]["messages"][-1]["role"] == "tool"
 
@@ -203,13 +217,18 @@ def embedded(tmp_path_factory):
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config")
-    served = Served(OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True)), tmp_path_factory.mktemp("embedded") / "store.sqlite")
+    served = Served(
+        OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True)),
+        tmp_path_factory.mktemp("embedded") / "store.sqlite",
+    )
     yield served
     served.close()
 
 
 def test_required_frameworks_are_known():
-    assert set(REQUIRED) <= set(FRAMEWORKS), f"AGL_REQUIRE_FRAMEWORKS names unknown frameworks: {set(REQUIRED) - set(FRAMEWORKS)}"
+    assert set(REQUIRED) <= set(FRAMEWORKS), (
+        f"AGL_REQUIRE_FRAMEWORKS names unknown frameworks: {set(REQUIRED) - set(FRAMEWORKS)}"
+    )
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
 """The GRPO update on the tiny model: shared-prompt batching is exact; a step moves only the LoRA."""
+
 import math
 from pathlib import Path
 
@@ -21,8 +22,17 @@ def policy(tiny_model_cfg):
 
 def make_samples(prompt, completions, rewards, group="g"):
     return [
-        Sample(rollout_id=f"{group}-{i}", prompt_ids=list(prompt), completion_ids=list(c), mask=[1] * len(c),
-               logprobs=[-1.0] * len(c), reward=r, truncated=False, temperature=0.7, group=group)
+        Sample(
+            rollout_id=f"{group}-{i}",
+            prompt_ids=list(prompt),
+            completion_ids=list(c),
+            mask=[1] * len(c),
+            logprobs=[-1.0] * len(c),
+            reward=r,
+            truncated=False,
+            temperature=0.7,
+            group=group,
+        )
         for i, (c, r) in enumerate(zip(completions, rewards))
     ]
 
@@ -86,7 +96,9 @@ def test_one_update_step_changes_only_the_lora_and_drops_zero_std_groups(policy)
     assert advs[0] > 0 > advs[1]
     frozen = {n: p.detach().clone() for n, p in policy.model.named_parameters() if not p.requires_grad}
     lora = {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
-    update = GRPOUpdate(policy, GRPOConfig(lr=1e-2, loss_type="grpo", epsilon_high=None, micro_batch_size=3, old_logprobs="recompute"))
+    update = GRPOUpdate(
+        policy, GRPOConfig(lr=1e-2, loss_type="grpo", epsilon_high=None, micro_batch_size=3, old_logprobs="recompute")
+    )
     metrics = update.step(kept, advs)
     assert metrics["train_tokens"] == 8 and metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
     assert all(torch.equal(p, frozen[n]) for n, p in policy.model.named_parameters() if not p.requires_grad)
@@ -111,10 +123,16 @@ def test_one_update_step_with_each_new_loss_type_changes_the_lora(policy, loss_t
 
 
 def test_loss_coefficients_default_alike_in_grpo_config_and_the_yaml():
-    yaml = compose_checked(str(Path(__file__).parent.parent / "conf"), ["algo=grpo"]).algo  # composed: the keys live in GRPOConfig
+    yaml = compose_checked(
+        str(Path(__file__).parent.parent / "conf"), ["algo=grpo"]
+    ).algo  # composed: the keys live in GRPOConfig
     config = GRPOConfig.from_cfg({k: yaml[k] for k in ("opmd_tau", "sapo_tau_pos", "sapo_tau_neg")})
     default = GRPOConfig()
-    assert (config.opmd_tau, config.sapo_tau_pos, config.sapo_tau_neg) == (default.opmd_tau, default.sapo_tau_pos, default.sapo_tau_neg)
+    assert (config.opmd_tau, config.sapo_tau_pos, config.sapo_tau_neg) == (
+        default.opmd_tau,
+        default.sapo_tau_pos,
+        default.sapo_tau_neg,
+    )
     assert yaml.loss_type in LOSS_TYPES and default.loss_type in LOSS_TYPES
 
 
@@ -123,7 +141,9 @@ def planner_samples(groups: list[tuple[int, list[int]]]) -> list[Sample]:
     samples = []
     for g, (prompt_len, lengths) in enumerate(groups):
         prompt = [1000 + g] * prompt_len  # one prompt per group, however long
-        samples += make_samples(prompt, [[7 + j % 3] * n for j, n in enumerate(lengths)], [0.0] * len(lengths), group=f"g{g}")
+        samples += make_samples(
+            prompt, [[7 + j % 3] * n for j, n in enumerate(lengths)], [0.0] * len(lengths), group=f"g{g}"
+        )
     return samples
 
 
@@ -141,7 +161,9 @@ from hypothesis import strategies as st  # noqa: E402
 
 @settings(max_examples=200, deadline=None)
 @given(
-    groups=st.lists(st.tuples(st.integers(1, 40), st.lists(st.integers(1, 120), min_size=1, max_size=9)), min_size=1, max_size=6),
+    groups=st.lists(
+        st.tuples(st.integers(1, 40), st.lists(st.integers(1, 120), min_size=1, max_size=9)), min_size=1, max_size=6
+    ),
     size=st.none() | st.integers(1, 9),
     tokens=st.none() | st.integers(1, 900),
     seed=st.integers(0, 2**16),
@@ -188,7 +210,9 @@ def test_the_planner_cuts_a_group_by_length_only_where_padding_outweighs_a_pass(
 
 def lora_grads_after_step(policy, samples, advs, **config) -> tuple[dict, dict]:
     """(metrics, the LoRA's accumulated gradients) of one step that leaves the LoRA as it was."""
-    update = GRPOUpdate(policy, GRPOConfig(**{"loss_type": "grpo", "epsilon_high": None, "lr": 0.0, "max_grad_norm": 1e9, **config}))
+    update = GRPOUpdate(
+        policy, GRPOConfig(**{"loss_type": "grpo", "epsilon_high": None, "lr": 0.0, "max_grad_norm": 1e9, **config})
+    )
     metrics = update.step(samples, advs)
     return metrics, lora_grads(policy)
 
@@ -199,7 +223,12 @@ def two_groups_and_a_single(seed: int) -> tuple[list, list[float]]:
     samples = []
     for g, lengths in enumerate([(2, 17, 3, 15, 9), (12, 1, 11, 4)]):
         prompt = torch.randint(10, 2000, (13 + 4 * g,)).tolist()
-        samples += make_samples(prompt, [torch.randint(10, 2000, (n,)).tolist() for n in lengths], [1, 0, 0, 1, 0][: len(lengths)], group=f"g{g}")
+        samples += make_samples(
+            prompt,
+            [torch.randint(10, 2000, (n,)).tolist() for n in lengths],
+            [1, 0, 0, 1, 0][: len(lengths)],
+            group=f"g{g}",
+        )
     samples += make_samples(torch.randint(10, 2000, (6,)).tolist(), [[5, 6, 7]], [1.0], group="single")
     return samples, [0.5, -1.0, 0.25, 1.5, -0.75, 1.0, -0.5, 0.8, -1.2, 0.3]
 
@@ -232,14 +261,21 @@ def test_a_group_cut_into_micro_batches_gives_the_loss_and_gradients_of_one_pass
 
 
 def test_micro_batch_keys_default_alike_in_grpo_config_and_the_yaml():
-    yaml = compose_checked(str(Path(__file__).parent.parent / "conf"), ["algo=grpo"]).algo  # composed: the keys live in GRPOConfig
+    yaml = compose_checked(
+        str(Path(__file__).parent.parent / "conf"), ["algo=grpo"]
+    ).algo  # composed: the keys live in GRPOConfig
     config = GRPOConfig.from_cfg({k: yaml[k] for k in ("micro_batch_size", "micro_batch_tokens")})
     default = GRPOConfig()
-    assert (config.micro_batch_size, config.micro_batch_tokens) == (default.micro_batch_size, default.micro_batch_tokens)
+    assert (config.micro_batch_size, config.micro_batch_tokens) == (
+        default.micro_batch_size,
+        default.micro_batch_tokens,
+    )
 
 
 @pytest.mark.parametrize("micro_batch_tokens", [None, 40])
-def test_gradient_checkpointing_gives_the_loss_and_gradients_of_kept_activations(policy, micro_batch_tokens, monkeypatch):
+def test_gradient_checkpointing_gives_the_loss_and_gradients_of_kept_activations(
+    policy, micro_batch_tokens, monkeypatch
+):
     """Decoder layers replayed in backward (agl/train/activation_checkpointing.py) against activations kept: the same
     loss, metrics and LoRA gradients, for groups in one pass each (the prompt's KV cache built inside
     the checkpointed layers) and for groups cut into parts (completions run against the prompt's cache)."""
@@ -248,7 +284,9 @@ def test_gradient_checkpointing_gives_the_loss_and_gradients_of_kept_activations
 
     replays = []
     real_checkpoint = agl.train.activation_checkpointing.checkpoint
-    monkeypatch.setattr(agl.train.activation_checkpointing, "checkpoint", lambda *a, **k: replays.append(1) or real_checkpoint(*a, **k))
+    monkeypatch.setattr(
+        agl.train.activation_checkpointing, "checkpoint", lambda *a, **k: replays.append(1) or real_checkpoint(*a, **k)
+    )
     samples, advs = two_groups_and_a_single(seed=4)
     config = dict(loss_type="grpo", micro_batch_tokens=micro_batch_tokens)
     kept, kept_grads = lora_grads_after_step(policy, samples, advs, gradient_checkpointing=False, **config)

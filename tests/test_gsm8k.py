@@ -41,9 +41,7 @@ def test_first_train_row():
     assert row["gold"] == "72"
     assert row["question"].startswith("Natalia sold clips")
     assert solution_text(row) == (
-        "Natalia sold 48/2 = 24 clips in May.\n"
-        "Natalia sold 48+24 = 72 clips altogether in April and May.\n"
-        "#### 72"
+        "Natalia sold 48/2 = 24 clips in May.\nNatalia sold 48+24 = 72 clips altogether in April and May.\n#### 72"
     )
 
 
@@ -116,8 +114,6 @@ def test_extract_strict_needs_reasoning_first(text):
     assert extract_strict(text) is None and score(text, "72") == {"format": False, "correct": False}
 
 
-
-
 @pytest.mark.parametrize(
     "text,expected",
     [
@@ -142,8 +138,17 @@ def test_extract_lenient(text, expected):
 
 @pytest.mark.parametrize(
     "a,b",
-    [("72", "72.0"), ("72", "$72"), ("72", "72.00"), ("1,000", "1000"), ("-3.5", "-3.50"),
-     (".5", "0.5"), ("0.1", "0.10"), ("-0", "0"), ("72.", "72")],
+    [
+        ("72", "72.0"),
+        ("72", "$72"),
+        ("72", "72.00"),
+        ("1,000", "1000"),
+        ("-3.5", "-3.50"),
+        (".5", "0.5"),
+        ("0.1", "0.10"),
+        ("-0", "0"),
+        ("72.", "72"),
+    ],
 )
 def test_numbers_equal(a, b):
     assert numbers_equal(a, b) and numbers_equal(b, a)
@@ -184,8 +189,8 @@ def test_score_and_reward():
 
 # Prose without digits, '#', '$', '-', '.' or ',' so it cannot add or glue onto numbers.
 prose = st.text(alphabet=st.characters(codec="ascii", categories=["L", "Zs"]), max_size=40)
-integers = st.integers(min_value=-10**9, max_value=10**9).map(Decimal)
-decimals = st.decimals(min_value=-10**6, max_value=10**6, places=3, allow_nan=False, allow_infinity=False)
+integers = st.integers(min_value=-(10**9), max_value=10**9).map(Decimal)
+decimals = st.decimals(min_value=-(10**6), max_value=10**6, places=3, allow_nan=False, allow_infinity=False)
 values = st.one_of(integers, decimals)
 formats = st.sampled_from(["plain", "commas", "dollar", "dollar_commas", "trailing_zero", "period"])
 

@@ -1,4 +1,5 @@
 """The guess-number task's demonstrations: binary search, played by the agent's own rules."""
+
 from agl.policy.load import load_policy
 from agl.train.sft import render_demonstration
 from tasks.guess_number.agent import FIRST, SYSTEM, demonstrations, feedback, load

@@ -2,6 +2,7 @@
 
 Every user error must end in a clear message on stderr and a non-zero exit, never a traceback.
 """
+
 from __future__ import annotations
 
 import importlib.machinery
@@ -28,7 +29,11 @@ def harness(tmp_path: Path, *overrides: str, env: dict | None = None) -> subproc
     environ.update(env or {})
     return subprocess.run(
         [sys.executable, "harness.py", *overrides, f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=ROOT, env=environ, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
 
 

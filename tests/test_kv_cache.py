@@ -5,6 +5,7 @@ concatenation, left padding and indexing. A ``SlotLayer`` must expose the same l
 the same keys and values at every real (unpadded) position, whatever mix of appends, retired
 rows, admitted rows and outside replacements came before.
 """
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -37,8 +38,12 @@ class Reference:
     def add(self, keys):
         width = max(self.keys.shape[-2], keys.shape[-2])
         new_mask = torch.ones(keys.shape[0], keys.shape[-2], dtype=torch.bool)
-        self.keys = torch.cat([left_pad(self.keys, width - self.keys.shape[-2], -2), left_pad(keys, width - keys.shape[-2], -2)])
-        self.mask = torch.cat([left_pad(self.mask, width - self.mask.shape[1], 1), left_pad(new_mask, width - keys.shape[-2], 1)])
+        self.keys = torch.cat(
+            [left_pad(self.keys, width - self.keys.shape[-2], -2), left_pad(keys, width - keys.shape[-2], -2)]
+        )
+        self.mask = torch.cat(
+            [left_pad(self.mask, width - self.mask.shape[1], 1), left_pad(new_mask, width - keys.shape[-2], 1)]
+        )
 
 
 operation = st.one_of(
@@ -86,7 +91,9 @@ def test_real_positions_match_the_concatenating_reference(rows, columns, operati
         assert layer.keys.shape == reference.keys.shape
         assert torch.equal(layer.keys[real], reference.keys[real])
         assert torch.equal(layer.values[real], reference.keys[real] + 1)
-        assert layer.keys.isfinite().all() and layer.values.isfinite().all()  # hidden positions never uninitialized memory
+        assert (
+            layer.keys.isfinite().all() and layer.values.isfinite().all()
+        )  # hidden positions never uninitialized memory
         assert layer.get_seq_length() == reference.keys.shape[-2]
 
 

@@ -4,6 +4,7 @@ its share of the cores, the summary once at the end, a failing job kept local, r
 SLURM and Ray need a cluster: for them the composed launcher config and agl's thread count for it
 are tested (README "Sweeps" has the overrides).
 """
+
 from __future__ import annotations
 
 import csv
@@ -44,23 +45,49 @@ LAUNCHERS = {
 }
 
 
-def sweep(cwd: Path, launcher: list[str], sweep_overrides: tuple[str, ...] = ("seed=0,1", "task.agent=probe_agent:agent,late_agent:agent"),
-          env: dict | None = None, ok: bool = True) -> subprocess.CompletedProcess:
+def sweep(
+    cwd: Path,
+    launcher: list[str],
+    sweep_overrides: tuple[str, ...] = ("seed=0,1", "task.agent=probe_agent:agent,late_agent:agent"),
+    env: dict | None = None,
+    ok: bool = True,
+) -> subprocess.CompletedProcess:
     """By default a 2x2 sweep: seed=0,1 x an agent that imports and one (late_agent) that does not exist yet."""
     args = [
-        sys.executable, str(ROOT / "harness.py"), "-m", "model=tiny", "task=hello", "algo=grpo", "progress=false", "runner.n=4",
-        "algo.steps=1", "algo.batch_size=2", "algo.group_size=2", "algo.eval_every=0", "task.max_tokens=4", "task.eval_size=2",
-        *sweep_overrides, *launcher,
+        sys.executable,
+        str(ROOT / "harness.py"),
+        "-m",
+        "model=tiny",
+        "task=hello",
+        "algo=grpo",
+        "progress=false",
+        "runner.n=4",
+        "algo.steps=1",
+        "algo.batch_size=2",
+        "algo.group_size=2",
+        "algo.eval_every=0",
+        "task.max_tokens=4",
+        "task.eval_size=2",
+        *sweep_overrides,
+        *launcher,
     ]
-    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "HYDRA_FULL_ERROR")}
-    environ["PYTHONPATH"] = str(cwd)  # the agents' modules; tasks/ comes from the checkout (harness.py puts it on sys.path)
+    environ = {
+        k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "HYDRA_FULL_ERROR")
+    }
+    environ["PYTHONPATH"] = str(
+        cwd
+    )  # the agents' modules; tasks/ comes from the checkout (harness.py puts it on sys.path)
     result = subprocess.run(args, cwd=cwd, env={**environ, **(env or {})}, capture_output=True, text=True, timeout=900)
     assert (result.returncode == 0) == ok, result.stderr[-3000:]
     return result
 
 
 def statuses(sweep_dir: Path) -> dict[str, dict]:
-    return {d.name: json.loads((d / "status.json").read_text()) for d in sweep_dir.iterdir() if (d / "status.json").is_file()}
+    return {
+        d.name: json.loads((d / "status.json").read_text())
+        for d in sweep_dir.iterdir()
+        if (d / "status.json").is_file()
+    }
 
 
 def rollout_ids(job: Path) -> set[str]:
@@ -70,8 +97,12 @@ def rollout_ids(job: Path) -> set[str]:
 
 @pytest.mark.parametrize("name", sorted(LAUNCHERS))
 def test_launcher_sweep_runs_jobs_in_parallel_with_their_share_of_cores_and_resumes(tmp_path, name):
-    pytest.importorskip({"joblib": "hydra_plugins.hydra_joblib_launcher", "submitit_local": "hydra_plugins.hydra_submitit_launcher"}[name],
-                        reason="the launchers extra: pip install -e '.[launchers]' (make test installs it)")
+    pytest.importorskip(
+        {"joblib": "hydra_plugins.hydra_joblib_launcher", "submitit_local": "hydra_plugins.hydra_submitit_launcher"}[
+            name
+        ],
+        reason="the launchers extra: pip install -e '.[launchers]' (make test installs it)",
+    )
     launcher, at_once = LAUNCHERS[name]
     (tmp_path / "probe_agent.py").write_text(PROBE_AGENT)
     first = sweep(tmp_path, launcher)
@@ -82,9 +113,18 @@ def test_launcher_sweep_runs_jobs_in_parallel_with_their_share_of_cores_and_resu
     # parallel processes: distinct pids, and jobs that ran at the same time
     good = {k: v for k, v in jobs.items() if "probe_agent" in k}
     bad = {k: v for k, v in jobs.items() if "late_agent" in k}
-    assert len({j["pid"] for j in jobs.values()} | {os.getpid()}) >= 3  # at least 2 job processes, none of them this one
-    overlapping = [(a, b) for a in jobs for b in jobs if a < b and jobs[a]["pid"] != jobs[b]["pid"]
-                   and jobs[a]["started"] < jobs[b]["ended"] and jobs[b]["started"] < jobs[a]["ended"]]
+    assert (
+        len({j["pid"] for j in jobs.values()} | {os.getpid()}) >= 3
+    )  # at least 2 job processes, none of them this one
+    overlapping = [
+        (a, b)
+        for a in jobs
+        for b in jobs
+        if a < b
+        and jobs[a]["pid"] != jobs[b]["pid"]
+        and jobs[a]["started"] < jobs[b]["ended"]
+        and jobs[b]["started"] < jobs[a]["ended"]
+    ]
     assert overlapping, {k: (j["pid"], j["started"], j["ended"]) for k, j in jobs.items()}
 
     # each job's threads: the cores shared among the jobs run at once, and torch in the job used that many
@@ -112,7 +152,9 @@ def test_launcher_sweep_runs_jobs_in_parallel_with_their_share_of_cores_and_resu
     after = statuses(sweep_dir)
     assert {j["status"] for j in after.values()} == {"succeeded"}
     assert after[finished]["started"] == jobs[finished]["started"]  # skipped
-    assert after[killed]["started"] > jobs[killed]["started"] and rollout_ids(sweep_dir / killed) == rollouts  # resumed, nothing redone
+    assert (
+        after[killed]["started"] > jobs[killed]["started"] and rollout_ids(sweep_dir / killed) == rollouts
+    )  # resumed, nothing redone
     assert all(after[b]["started"] > jobs[b]["started"] for b in bad)
     assert second.stdout.count("written: ") == 1 and "4 jobs: 4 succeeded" in (sweep_dir / "summary.md").read_text()
     assert list((tmp_path / "outputs" / "multirun").iterdir()) == [sweep_dir]
@@ -164,7 +206,9 @@ def test_auto_threads_share_the_cores_among_the_jobs_run_at_once():
     assert auto_threads(joblib, 8, batch=4)[0] == 4
     assert auto_threads(joblib, 8, batch=1)[0] == 8  # one job: n_jobs does not matter
     assert auto_threads(hydra_config("hydra/launcher=joblib"), 8, batch=16)[0] == 1  # n_jobs=-1: every core runs a job
-    assert auto_threads(hydra_config("hydra/launcher=joblib", "hydra.launcher.n_jobs=-2"), 8, batch=16)[0] == 1  # 7 jobs
+    assert (
+        auto_threads(hydra_config("hydra/launcher=joblib", "hydra.launcher.n_jobs=-2"), 8, batch=16)[0] == 1
+    )  # 7 jobs
     local = hydra_config("hydra/launcher=submitit_local")
     assert auto_threads(local, 8, batch=2)[0] == 4 and auto_threads(local, 8, batch=None)[0] == 1
     assert auto_threads(joblib, 8, user_omp="3", batch=2)[0] == 3  # the user's OMP_NUM_THREADS caps it
@@ -172,8 +216,15 @@ def test_auto_threads_share_the_cores_among_the_jobs_run_at_once():
 
 def test_the_jobs_of_a_sweep_are_counted_from_its_multirun_yaml(tmp_path):
     def master(max_batch_size=None, params=None):
-        OmegaConf.save({"hydra": {"sweeper": {"_target_": BASIC_SWEEPER, "max_batch_size": max_batch_size, "params": params},
-                                  "overrides": {"task": ["task=hello", "seed=range(3)", "algo.lr=1e-4,2e-4"]}}}, tmp_path / "multirun.yaml")
+        OmegaConf.save(
+            {
+                "hydra": {
+                    "sweeper": {"_target_": BASIC_SWEEPER, "max_batch_size": max_batch_size, "params": params},
+                    "overrides": {"task": ["task=hello", "seed=range(3)", "algo.lr=1e-4,2e-4"]},
+                }
+            },
+            tmp_path / "multirun.yaml",
+        )
 
     job = hydra_config(f"hydra.sweep.dir={tmp_path}")
     assert sweep_batch_size(job) is None  # no multirun.yaml: unknown
@@ -189,17 +240,30 @@ def test_slurm_launcher_config_composes_and_cpus_per_task_bounds_the_threads(tmp
     """What can be checked of SLURM here: the README's overrides compose, and a job takes the cores of its allocation."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the launchers extra")
     overrides = [
-        "hydra/launcher=submitit_slurm", "hydra.launcher.partition=cpu", "hydra.launcher.cpus_per_task=4",
-        "hydra.launcher.mem_gb=16", "hydra.launcher.timeout_min=240", "hydra.launcher.array_parallelism=8",
+        "hydra/launcher=submitit_slurm",
+        "hydra.launcher.partition=cpu",
+        "hydra.launcher.cpus_per_task=4",
+        "hydra.launcher.mem_gb=16",
+        "hydra.launcher.timeout_min=240",
+        "hydra.launcher.array_parallelism=8",
     ]
     result = subprocess.run(
         [sys.executable, "harness.py", "task=hello", "algo=grpo", *overrides, "--cfg", "hydra", "-p", "hydra.launcher"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     printed = OmegaConf.create(result.stdout.split("\n", 1)[1])  # after "# @package hydra.launcher"
     assert printed._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
-    assert (printed.partition, printed.cpus_per_task, printed.mem_gb, printed.timeout_min, printed.array_parallelism) == ("cpu", 4, 16, 240, 8)
+    assert (
+        printed.partition,
+        printed.cpus_per_task,
+        printed.mem_gb,
+        printed.timeout_min,
+        printed.array_parallelism,
+    ) == ("cpu", 4, 16, 240, 8)
     assert "submitit_folder: ${hydra.sweep.dir}/.submitit/%j" in result.stdout  # job logs under the sweep dir
 
     slurm = hydra_config(*overrides)
@@ -220,11 +284,20 @@ def test_threads_setting():
 
 def test_a_launcher_that_is_not_there_is_a_one_line_config_error(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    for name, expected in (("jobslib", "no such launcher"), ("ray", "that launcher's plugin is not installed (pip install hydra-ray-launcher)")):
+    for name, expected in (
+        ("jobslib", "no such launcher"),
+        ("ray", "that launcher's plugin is not installed (pip install hydra-ray-launcher)"),
+    ):
         if name in launcher_names(CONF):
             continue  # ray's plugin installed: nothing to refuse
-        result = subprocess.run([sys.executable, str(ROOT / "harness.py"), "-m", "task=hello", f"hydra/launcher={name}"],
-                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [sys.executable, str(ROOT / "harness.py"), "-m", "task=hello", f"hydra/launcher={name}"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 2, result.stderr
         lines = result.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(f"error: hydra/launcher={name}: {expected}"), result.stderr

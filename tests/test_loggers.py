@@ -4,6 +4,7 @@ Each test trains the tiny model for two GRPO steps through harness.py, has the j
 last step, resumes it, and reads the logger's own files back (TensorBoard's EventAccumulator; the
 records of W&B's offline run file).
 """
+
 from __future__ import annotations
 
 import json
@@ -21,15 +22,26 @@ from agl.report.status import write_status
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [
-    "model=tiny", "task=hello", "algo=grpo", "progress=false", "runner.n=4", "algo.steps=2", "algo.batch_size=2",
-    "algo.group_size=2", "algo.eval_every=1", "task.max_tokens=4", "task.eval_size=2",
+    "model=tiny",
+    "task=hello",
+    "algo=grpo",
+    "progress=false",
+    "runner.n=4",
+    "algo.steps=2",
+    "algo.batch_size=2",
+    "algo.group_size=2",
+    "algo.eval_every=1",
+    "task.max_tokens=4",
+    "task.eval_size=2",
 ]
 
 
 def harness(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     environ = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     environ.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run([sys.executable, "harness.py", *args], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "harness.py", *args], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=600
+    )
 
 
 def train(run_dir: Path, logger: str, env: dict | None = None) -> list[dict]:
@@ -86,7 +98,9 @@ def tensorboard_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_tensorboard_scalars_equal_metrics_jsonl_and_a_resume_keeps_one_curve(tmp_path):
-    pytest.importorskip("tensorboard", reason="the tensorboard extra: pip install -e '.[tensorboard]' (make test installs it)")
+    pytest.importorskip(
+        "tensorboard", reason="the tensorboard extra: pip install -e '.[tensorboard]' (make test installs it)"
+    )
     run = tmp_path / "run"
     rows = train(run, "tensorboard")
     assert [r["step"] for r in rows] == [-1, 0, 1]
@@ -117,15 +131,17 @@ def wandb_history(run_file: Path) -> list[dict]:
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-        pending += data[pos + 7:pos + 7 + length]
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
             record.ParseFromString(pending)
             pending = b""
             if record.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item})
+                rows.append(
+                    {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                )
     return rows
 
 
@@ -162,7 +178,13 @@ def test_wandb_offline_history_equals_metrics_jsonl_also_after_a_kill_and_resume
     env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONPATH": str(tmp_path)}
     run = tmp_path / "run"
     # calls 1-2: the baseline eval; 3-6: step 0's rollouts; 7-8: the eval after step 0; 9: step 1's first rollout
-    killed = harness(*TRAIN, "task.agent=kill_agent:agent", "logger=wandb", f"hydra.run.dir={run}", env={**env, "AGL_TEST_KILL_AT_CALL": "9"})
+    killed = harness(
+        *TRAIN,
+        "task.agent=kill_agent:agent",
+        "logger=wandb",
+        f"hydra.run.dir={run}",
+        env={**env, "AGL_TEST_KILL_AT_CALL": "9"},
+    )
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert [r["step"] for r in metrics(run)] == [-1, 0]
 

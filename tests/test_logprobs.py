@@ -1,4 +1,5 @@
 """The fused token log-prob op equals the plain tensor-op computation, in value and gradient."""
+
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -22,14 +23,18 @@ def reference(hidden, weight, tokens, temperature):
     temperature=st.floats(0.2, 2.0),
     scale=st.floats(0.1, 20.0),
 )
-@example(n=3, hidden_size=3, vocab=38, seed=3, temperature=0.201171875, scale=5.0)  # failed when the op ran fp64 inputs in fp32
+@example(
+    n=3, hidden_size=3, vocab=38, seed=3, temperature=0.201171875, scale=5.0
+)  # failed when the op ran fp64 inputs in fp32
 @settings(max_examples=80, deadline=None)
 def test_value_entropy_and_gradients_match_the_plain_computation(n, hidden_size, vocab, seed, temperature, scale):
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, hidden_size, generator=gen, dtype=torch.float64) * scale
     weight = torch.randn(vocab, hidden_size, generator=gen, dtype=torch.float64)
     tokens = torch.randint(0, vocab, (n,), generator=gen)
-    temps = torch.full((n,), temperature, dtype=torch.float64) * torch.rand(n, generator=gen, dtype=torch.float64).add(0.5)
+    temps = torch.full((n,), temperature, dtype=torch.float64) * torch.rand(n, generator=gen, dtype=torch.float64).add(
+        0.5
+    )
     upstream = torch.randn(n, generator=gen, dtype=torch.float64)
 
     results = []

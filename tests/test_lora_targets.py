@@ -5,6 +5,7 @@ gradient in the first), then checks what must still hold downstream: the new LoR
 merged sampler decodes with the training model's log-probs, and the adapter and a checkpoint
 restore it exactly.
 """
+
 import asyncio
 import re
 
@@ -46,20 +47,34 @@ def variant(cfg, **changes):
 
 def case_cfg(tiny_model_cfg, case):
     tie, embeddings, head = CASES[case]
-    return variant(tiny_model_cfg, **{"tiny.tie_word_embeddings": tie, "lora.train_embeddings": embeddings, "lora.train_head": head})
+    return variant(
+        tiny_model_cfg,
+        **{"tiny.tie_word_embeddings": tie, "lora.train_embeddings": embeddings, "lora.train_head": head},
+    )
 
 
 def vocabulary_lora(policy) -> dict[str, torch.nn.Parameter]:
     """The LoRA parameters on the embeddings and the head, by name (a tied LoRA's aliases included)."""
-    return {n: p for n, p in policy.model.named_parameters() if p.requires_grad and ("embed_tokens" in n or "lm_head" in n)}
+    return {
+        n: p for n, p in policy.model.named_parameters() if p.requires_grad and ("embed_tokens" in n or "lm_head" in n)
+    }
 
 
 def samples():
     """One GRPO group of four completions of PROMPT (old log-probs are recomputed by the update)."""
     completions = [[5, 6, 7], [8, 9], [10], [11, 12]]
     return [
-        Sample(rollout_id=f"r{i}", prompt_ids=PROMPT, completion_ids=c, mask=[1] * len(c), logprobs=[-1.0] * len(c),
-               reward=float(i in (0, 3)), truncated=False, temperature=1.0, group="g")
+        Sample(
+            rollout_id=f"r{i}",
+            prompt_ids=PROMPT,
+            completion_ids=c,
+            mask=[1] * len(c),
+            logprobs=[-1.0] * len(c),
+            reward=float(i in (0, 3)),
+            truncated=False,
+            temperature=1.0,
+            group="g",
+        )
         for i, c in enumerate(completions)
     ]
 
@@ -74,7 +89,9 @@ def bare_base(tiny_model_cfg):
     """The tiny model before peft wraps it (unquantized: only its module names and types matter)."""
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(resolve_model_path(tiny_model_cfg.path, tiny_model_cfg.cache_dir, tiny_model_cfg.tiny))
+    return AutoModelForCausalLM.from_pretrained(
+        resolve_model_path(tiny_model_cfg.path, tiny_model_cfg.cache_dir, tiny_model_cfg.tiny)
+    )
 
 
 @pytest.fixture(scope="module", params=list(CASES))
@@ -83,7 +100,9 @@ def trained(request, tiny_model_cfg):
     cfg = case_cfg(tiny_model_cfg, request.param)
     policy = load_policy(cfg, "cpu")
     before = {n: p.detach().clone() for n, p in vocabulary_lora(policy).items()}
-    update = GRPOUpdate(policy, GRPOConfig(lr=1e-2, loss_type="grpo", epsilon_high=None, micro_batch_size=4, old_logprobs="recompute"))
+    update = GRPOUpdate(
+        policy, GRPOConfig(lr=1e-2, loss_type="grpo", epsilon_high=None, micro_batch_size=4, old_logprobs="recompute")
+    )
     for _ in range(2):
         update.step(samples(), [1.0, -1.0, -1.0, 1.0])
     return request.param, cfg, policy, before
@@ -91,7 +110,9 @@ def trained(request, tiny_model_cfg):
 
 def test_defaults_build_the_same_lora_config_as_before(tiny_model_cfg, bare_base):
     policy = load_policy(tiny_model_cfg, "cpu")  # no train_* keys at all, like an older config
-    before = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM").to_dict()
+    before = LoraConfig(
+        r=8, lora_alpha=16, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM"
+    ).to_dict()
     off = variant(tiny_model_cfg, **{"lora.train_embeddings": False, "lora.train_head": False}).lora
     assert lora_config(tiny_model_cfg.lora, bare_base).to_dict() == before
     assert lora_config(off, bare_base).to_dict() == before
@@ -128,7 +149,9 @@ def test_the_vocabulary_lora_trains_once_per_matrix(trained):
     after = vocabulary_lora(policy)
     assert after and all(not torch.equal(after[n], before[n]) for n in after), "every new LoRA tensor changed"
     base = policy.model.get_base_model()
-    assert not base.get_input_embeddings().weight.requires_grad and not base.get_output_embeddings().weight.requires_grad
+    assert (
+        not base.get_input_embeddings().weight.requires_grad and not base.get_output_embeddings().weight.requires_grad
+    )
     aliases = tied_lora_aliases(policy.model)
     assert len(aliases) == (2 if tie else 0)
     assert (fused_head(policy) is None) == (tie or head)  # a LoRA-wrapped head computes its own logits
@@ -180,8 +203,20 @@ def test_the_merged_sampler_decodes_with_the_training_log_probs(trained):
     _, _, policy, _ = trained
     policy.model.eval()
     seqs = asyncio.run(decode(policy))
-    decoded = [Sample(rollout_id=str(i), prompt_ids=PROMPT, completion_ids=s.token_ids, mask=[1] * len(s.token_ids),
-                      logprobs=s.logprobs, reward=0.0, truncated=False, temperature=1.0, group="g") for i, s in enumerate(seqs)]
+    decoded = [
+        Sample(
+            rollout_id=str(i),
+            prompt_ids=PROMPT,
+            completion_ids=s.token_ids,
+            mask=[1] * len(s.token_ids),
+            logprobs=s.logprobs,
+            reward=0.0,
+            truncated=False,
+            temperature=1.0,
+            group="g",
+        )
+        for i, s in enumerate(seqs)
+    ]
     batch = TokenBatch.build(decoded, pad_id=2, mask_truncated=False)
     with torch.no_grad():
         training = completion_logprobs(policy, batch)[0]

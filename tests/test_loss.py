@@ -1,4 +1,5 @@
 """GRPO losses against values computed by hand, and gradient accumulation == one batch."""
+
 import math
 
 import pytest
@@ -61,7 +62,9 @@ def test_gspo_uses_sequence_geometric_mean_ratio():
     logp = torch.tensor([[0.0, 0.0]], requires_grad=True)
     old = torch.tensor([[-0.1, 0.1]])  # token ratios e^0.1, e^-0.1: geometric mean exactly 1
     mask = torch.ones(1, 2)
-    loss, stats = policy_loss(logp, old, torch.tensor([1.0]), mask, token_weights(mask, "gspo", 2), loss_type="gspo", epsilon=0.05)
+    loss, stats = policy_loss(
+        logp, old, torch.tensor([1.0]), mask, token_weights(mask, "gspo", 2), loss_type="gspo", epsilon=0.05
+    )
     assert float(loss.detach()) == pytest.approx(-1.0)  # not clipped, although each token ratio is outside 1 +- 0.05
     assert float(stats["clip_ratio_high"]) == 0.0
     loss.backward()
@@ -84,8 +87,16 @@ def test_cispo_by_hand_clips_the_weight_not_the_gradient():
     logp = torch.tensor([[0.0, -1.0]], requires_grad=True)
     old = torch.tensor([[-0.5, -1.0]])
     mask = torch.ones(1, 2)
-    loss, stats = policy_loss(logp, old, torch.tensor([1.0]), mask, token_weights(mask, "cispo", 2),
-                              loss_type="cispo", epsilon=0.2, epsilon_high=0.28)
+    loss, stats = policy_loss(
+        logp,
+        old,
+        torch.tensor([1.0]),
+        mask,
+        token_weights(mask, "cispo", 2),
+        loss_type="cispo",
+        epsilon=0.2,
+        epsilon_high=0.28,
+    )
     assert float(loss.detach()) == pytest.approx(0.5)
     assert float(stats["clip_ratio_high"]) == 0.5 and float(stats["clip_ratio_low"]) == 0.0
     loss.backward()
@@ -95,7 +106,16 @@ def test_cispo_by_hand_clips_the_weight_not_the_gradient():
 
     # PPO-clip on the same tokens: the clipped token has no gradient at all.
     logp.grad = None
-    loss, _ = policy_loss(logp, old, torch.tensor([1.0]), mask, token_weights(mask, "dapo", 2), loss_type="dapo", epsilon=0.2, epsilon_high=0.28)
+    loss, _ = policy_loss(
+        logp,
+        old,
+        torch.tensor([1.0]),
+        mask,
+        token_weights(mask, "dapo", 2),
+        loss_type="dapo",
+        epsilon=0.2,
+        epsilon_high=0.28,
+    )
     loss.backward()
     assert logp.grad.tolist()[0] == pytest.approx([0.0, -0.5])
 
@@ -145,7 +165,9 @@ def test_sapo_gate_is_smooth_past_the_clip_range():
         r = math.exp(log_r)
         logp = torch.tensor([[0.0]], requires_grad=True)
         old = torch.tensor([[-log_r]])
-        loss, _ = policy_loss(logp, old, torch.tensor([adv]), mask, mask, loss_type="sapo", sapo_tau_pos=1.0, sapo_tau_neg=tau)
+        loss, _ = policy_loss(
+            logp, old, torch.tensor([adv]), mask, mask, loss_type="sapo", sapo_tau_pos=1.0, sapo_tau_neg=tau
+        )
         s = sig(tau * (r - 1))  # tau_pos = 1 for A > 0, tau_neg = tau for A < 0
         assert float(loss.detach()) == pytest.approx(-s * 4 / tau * adv)
         loss.backward()
@@ -188,15 +210,24 @@ def test_micro_batches_accumulate_to_the_full_batch(loss_type):
     adv = torch.randn(6)
     weights = token_weights(mask, loss_type, 5)
     full, _ = policy_loss(logp, old, adv, mask, weights, loss_type=loss_type)
-    parts = sum(policy_loss(logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], weights[i : i + 2], loss_type=loss_type)[0] for i in (0, 2, 4))
+    parts = sum(
+        policy_loss(
+            logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], weights[i : i + 2], loss_type=loss_type
+        )[0]
+        for i in (0, 2, 4)
+    )
     assert float(parts.detach()) == pytest.approx(float(full.detach()), rel=1e-6)
 
 
 def test_group_advantages():
     r = torch.tensor([1.0, 0.0, 0.0, 1.0])
     std = float(r.std())  # unbiased: 0.5774
-    assert group_advantages(r).tolist() == pytest.approx([0.5 / (std + 1e-4), -0.5 / (std + 1e-4)] * 1 + [-0.5 / (std + 1e-4), 0.5 / (std + 1e-4)])
+    assert group_advantages(r).tolist() == pytest.approx(
+        [0.5 / (std + 1e-4), -0.5 / (std + 1e-4)] * 1 + [-0.5 / (std + 1e-4), 0.5 / (std + 1e-4)]
+    )
     assert group_advantages(r, "none").tolist() == [0.5, -0.5, -0.5, 0.5]
-    assert group_advantages(r, "batch", batch_std=1.0).tolist() == pytest.approx([0.5 / 1.0001, -0.5 / 1.0001, -0.5 / 1.0001, 0.5 / 1.0001])
+    assert group_advantages(r, "batch", batch_std=1.0).tolist() == pytest.approx(
+        [0.5 / 1.0001, -0.5 / 1.0001, -0.5 / 1.0001, 0.5 / 1.0001]
+    )
     with pytest.raises(ValueError):
         group_advantages(r, "batch")

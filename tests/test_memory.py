@@ -1,4 +1,5 @@
 """agl.memory reaches glibc's allocator where there is one, and yields to the user's own setting."""
+
 import ctypes
 import ctypes.util
 import os
@@ -10,7 +11,9 @@ import pytest
 from agl import memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-glibc = pytest.mark.skipif(not sys.platform.startswith("linux") or ctypes.util.find_library("c") is None, reason="glibc only")
+glibc = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or ctypes.util.find_library("c") is None, reason="glibc only"
+)
 
 
 @glibc
@@ -90,7 +93,9 @@ def test_capped_kernel_caches_stop_the_heap_growing_with_every_new_matmul_shape(
     env = {k: v for k, v in os.environ.items() if k not in memory.KERNEL_CACHES}
 
     def growth_mib(mode: str) -> float:
-        out = subprocess.run([sys.executable, "-c", KERNEL_GROWTH, mode], env=env, capture_output=True, text=True, check=True)
+        out = subprocess.run(
+            [sys.executable, "-c", KERNEL_GROWTH, mode], env=env, capture_output=True, text=True, check=True
+        )
         return float(out.stdout.strip().splitlines()[-1])
 
     uncapped = growth_mib("uncapped")
@@ -153,7 +158,13 @@ def test_preload_runs_the_command_again_once_under_the_library(choice, tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "MALLOC_MMAP_THRESHOLD_")}
     env["AGL_ALLOCATOR"] = setting
     env["PYTHONPATH"] = ROOT  # this checkout's agl
-    out = subprocess.run([sys.executable, str(script), "libz" if choice == "zlib" else f"lib{choice}"], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(script), "libz" if choice == "zlib" else f"lib{choice}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.split()
     assert lines[:2] == ["start", "start"] and lines[2] == "loaded"  # the first run exec'd; the second did not
@@ -165,20 +176,31 @@ def test_preload_runs_the_command_again_once_under_the_library(choice, tmp_path)
 
 def test_the_harness_names_a_malloc_it_cannot_find_before_anything_else():
     env = {**os.environ, "AGL_ALLOCATOR": "tcmalloc2"}
-    out = subprocess.run([sys.executable, "harness.py", "algo=info"], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = subprocess.run(
+        [sys.executable, "harness.py", "algo=info"], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
     assert out.returncode == 2
-    assert out.stderr.strip() == "error: AGL_ALLOCATOR=tcmalloc2: expected auto, glibc, tcmalloc, jemalloc or a library's path"
+    assert (
+        out.stderr.strip()
+        == "error: AGL_ALLOCATOR=tcmalloc2: expected auto, glibc, tcmalloc, jemalloc or a library's path"
+    )
 
 
 @glibc
 def test_active_allocator_reads_another_process_by_its_pid():
     """What bench/route_ab.py records for each server: the malloc mapped into that process, not this one."""
     children = {"glibc": {}}
-    children.update({name: {"LD_PRELOAD": memory.find_allocator(name)} for name in memory.ALLOCATORS if memory.find_allocator(name)})
+    children.update(
+        {name: {"LD_PRELOAD": memory.find_allocator(name)} for name in memory.ALLOCATORS if memory.find_allocator(name)}
+    )
     env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
     for name, preload in children.items():
-        code = "import sys; print('ready', flush=True); sys.stdin.read()"  # up (its libraries mapped) until stdin closes
-        child = subprocess.Popen([sys.executable, "-c", code], env={**env, **preload}, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        code = (
+            "import sys; print('ready', flush=True); sys.stdin.read()"  # up (its libraries mapped) until stdin closes
+        )
+        child = subprocess.Popen(
+            [sys.executable, "-c", code], env={**env, **preload}, stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
         try:
             assert child.stdout.readline() == b"ready\n"
             assert memory.active_allocator(child.pid) == name

@@ -1,4 +1,5 @@
 """The merged sampling model computes what the LoRA policy computes, and follows its updates."""
+
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
 """LoRA layers run merged in the update (agl/train/merged_lora.py): peft's values and gradients, the sampler's weights."""
+
 import dataclasses
 
 import pytest
@@ -36,7 +37,16 @@ def step_grads(policy, merged: bool, **config) -> tuple[dict, dict]:
     with the recomputed old log-probs and the reference pass, that leaves the LoRA as it was."""
     policy.model.zero_grad(set_to_none=True)
     samples, advs = two_groups_and_a_single(seed=5)
-    cfg = {"loss_type": "grpo", "epsilon_high": None, "lr": 0.0, "max_grad_norm": 1e9, "micro_batch_tokens": 40, "beta": 0.1, "old_logprobs": "recompute", **config}
+    cfg = {
+        "loss_type": "grpo",
+        "epsilon_high": None,
+        "lr": 0.0,
+        "max_grad_norm": 1e9,
+        "micro_batch_tokens": 40,
+        "beta": 0.1,
+        "old_logprobs": "recompute",
+        **config,
+    }
     policy = dataclasses.replace(policy, train_merged=merged)
     metrics = GRPOUpdate(policy, GRPOConfig(**cfg)).step(samples, advs)
     return metrics, lora_grads(policy)
@@ -55,11 +65,16 @@ def test_a_merged_update_gives_peft_loss_and_gradients(policy, checkpointing):
 
 
 def test_a_merged_sft_step_gives_peft_loss_and_gradients(policy):
-    examples = [([1, 9690, 198, 4093, 314, 253, 1345, 2, 77, 78], [0, 0, 0, 0, 1, 1, 1, 1, 1, 1]), ([1, 55, 66, 77, 2], [0, 0, 1, 1, 1])]
+    examples = [
+        ([1, 9690, 198, 4093, 314, 253, 1345, 2, 77, 78], [0, 0, 0, 0, 1, 1, 1, 1, 1, 1]),
+        ([1, 55, 66, 77, 2], [0, 0, 1, 1, 1]),
+    ]
     results = {}
     for merged in (False, True):
         policy.model.zero_grad(set_to_none=True)
-        stats = sft_loss_and_backward(dataclasses.replace(policy, train_merged=merged), examples, micro_batch_size=1, gradient_checkpointing=True)
+        stats = sft_loss_and_backward(
+            dataclasses.replace(policy, train_merged=merged), examples, micro_batch_size=1, gradient_checkpointing=True
+        )
         results[merged] = stats["loss"], lora_grads(policy)
     assert results[True][0] == pytest.approx(results[False][0], rel=1e-6)
     for name, grad in results[False][1].items():

@@ -10,6 +10,7 @@ Three parts:
 
 Tests marked `slow` use the real embedded model; they run by default (`-m "not slow"` skips).
 """
+
 from __future__ import annotations
 
 import json
@@ -274,7 +275,11 @@ def test_build_killed_mid_write_leaves_no_valid_cache(tmp_path, tiny_dir, phase)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     child = subprocess.Popen(
         [sys.executable, "-c", KILLED_BUILD, str(cache), str(tiny_dir), phase, str(ready)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     try:
         deadline = time.monotonic() + 120
@@ -327,7 +332,13 @@ def test_real_conversion_is_complete_and_loadable(converted):
     assert cache_is_complete(converted)
     assert [p.name for p in converted.parent.iterdir()] == [converted.name]  # no temp dir left
     manifest = json.loads((converted / MANIFEST).read_text())["files"]
-    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= manifest.keys()
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= manifest.keys()
 
     config = AutoConfig.from_pretrained(converted)
     assert config.model_type == "llama"
@@ -428,7 +439,7 @@ def greedy(policy, max_new_tokens: int, messages=PROMPT) -> str:
             eos_token_id=policy.eos_token_ids,
             pad_token_id=policy.tokenizer.pad_token_id,
         )
-    return policy.tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return policy.tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 def logits(policy, ids: torch.Tensor) -> torch.Tensor:
@@ -491,7 +502,11 @@ def test_only_lora_parameters_are_trainable(policy):
 @pytest.mark.slow
 def test_parameter_counts_of_default_lora(policy):
     config, r = policy.model.config, 16
-    h, i, kv = config.hidden_size, config.intermediate_size, config.num_key_value_heads * (config.hidden_size // config.num_attention_heads)
+    h, i, kv = (
+        config.hidden_size,
+        config.intermediate_size,
+        config.num_key_value_heads * (config.hidden_size // config.num_attention_heads),
+    )
     shapes = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]  # q k v o gate up down
     expected_lora = config.num_hidden_layers * sum(r * (n_in + n_out) for n_in, n_out in shapes)
 
@@ -663,4 +678,6 @@ def test_quantization_variants_load_and_train(model_cfg, quantization):
     assert "Paris" in greedy(variant_policy, max_new_tokens=7)
     variant_policy.model.train()
     lm_loss(variant_policy).backward()
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for n, p in lora_params(variant_policy).items() if "lora_B" in n)
+    assert all(
+        p.grad is not None and p.grad.abs().sum() > 0 for n, p in lora_params(variant_policy).items() if "lora_B" in n
+    )

@@ -1,4 +1,5 @@
 """Twenty questions and the route's frozen helper models (``server.frozen_models``)."""
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,13 @@ USER = [{"role": "user", "content": "Is it an animal?"}]
 
 def test_guesses_name_one_thing_and_the_splits_never_share_a_secret():
     assert guessed("Is it a penguin?") == "penguin" and guessed("is it an owl") == "owl"
-    for not_a_guess in ("Is it a cat or a dog?", "Is it a cat, a dog, a cow?", "Does it fly?", "Is it a big cat?", "I think it is a cat"):
+    for not_a_guess in (
+        "Is it a cat or a dog?",
+        "Is it a cat, a dog, a cow?",
+        "Does it fly?",
+        "Is it a big cat?",
+        "I think it is a cat",
+    ):
         assert guessed(not_a_guess) is None, not_a_guess
     assert is_secret("cats", "cat") and is_secret("foxes", "fox") and not is_secret("cow", "crow")
     train, test = load("train"), load("test")
@@ -99,21 +106,44 @@ async def test_a_frozen_model_is_the_base_model_recorded_but_never_trained(route
 def test_q20_trains_on_the_players_turns_only(tmp_path):
     """The whole job on the tiny model: every answerer call is recorded, frozen and out of the samples."""
     result = harness(
-        tmp_path, "model=tiny", "task=q20", "algo=grpo", "algo.steps=1", "algo.batch_size=2", "algo.group_size=2",
-        "algo.eval_every=0", "task.eval_size=2", "task.resources.max_turns=3", "task.max_tokens=8", "algo.drop_zero_std=false",
+        tmp_path,
+        "model=tiny",
+        "task=q20",
+        "algo=grpo",
+        "algo.steps=1",
+        "algo.batch_size=2",
+        "algo.group_size=2",
+        "algo.eval_every=0",
+        "task.eval_size=2",
+        "task.resources.max_turns=3",
+        "task.max_tokens=8",
+        "algo.drop_zero_std=false",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     db = sqlite3.connect(tmp_path / "run" / "store.sqlite")
     models = [json.loads(a).get("model") for (a,) in db.execute("SELECT attributes FROM spans WHERE name = 'llm.chat'")]
     assert "base" in models and "tiny" in models
-    frozen = [json.loads(a)["trainable"] for (a,) in db.execute("SELECT attributes FROM spans WHERE name = 'llm.chat'") if json.loads(a).get("model") == "base"]
+    frozen = [
+        json.loads(a)["trainable"]
+        for (a,) in db.execute("SELECT attributes FROM spans WHERE name = 'llm.chat'")
+        if json.loads(a).get("model") == "base"
+    ]
     assert frozen and not any(frozen)
 
-    report = harness(tmp_path, f"report={tmp_path / 'run'}")  # its samples show the player's replies, not the answerer's
+    report = harness(
+        tmp_path, f"report={tmp_path / 'run'}"
+    )  # its samples show the player's replies, not the answerer's
     assert report.returncode == 0, report.stderr[-2000:]
-    first_eval = db.execute("SELECT rollout_id FROM rollouts WHERE json_extract(metadata, '$.eval_step') IS NOT NULL ORDER BY seq LIMIT 1").fetchone()[0]
-    replies = [json.loads(a) for (a,) in db.execute("SELECT attributes FROM spans WHERE rollout_id = ? AND name = 'llm.chat' ORDER BY sequence_id", (first_eval,))]
+    first_eval = db.execute(
+        "SELECT rollout_id FROM rollouts WHERE json_extract(metadata, '$.eval_step') IS NOT NULL ORDER BY seq LIMIT 1"
+    ).fetchone()[0]
+    replies = [
+        json.loads(a)
+        for (a,) in db.execute(
+            "SELECT attributes FROM spans WHERE rollout_id = ? AND name = 'llm.chat' ORDER BY sequence_id",
+            (first_eval,),
+        )
+    ]
     player = [r["response_text"] for r in replies if r["trainable"]]
     shown = "\n".join("> " + line for line in (player[-1] or "(no reply)").splitlines())  # as report.md quotes a reply
     assert f"\n{shown}\n" in (tmp_path / "run" / "report.md").read_text()
-

@@ -9,6 +9,7 @@ layer, which the frozen `base` engine shares with the policy's), so the test kno
 token ids: the player's questions, the answerer's Yes, a search tool call. One `slow` test plays a
 game on the embedded SmolLM2-135M, greedy, with the models' own replies.
 """
+
 import importlib
 import json
 import os
@@ -76,7 +77,9 @@ def route(tiny_model_cfg, tmp_path_factory):
 
 
 def llm_of(served, rid, aid, sampling=SAMPLING) -> agl.LLM:
-    return agl.LLM(base_url=served.server.rollout_base_url(rid, aid), model=served.policy.name, sampling_parameters=sampling)
+    return agl.LLM(
+        base_url=served.server.rollout_base_url(rid, aid), model=served.policy.name, sampling_parameters=sampling
+    )
 
 
 def chat_spans(served, rid, aid) -> list:
@@ -101,11 +104,17 @@ def check_player(served, spans, messages, reward):
     assert len(said) == len(player)
     for span, message in zip(player, said):
         if message.get("tool_calls"):
-            calls = [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in span.attributes["tool_calls"]]
-            assert calls == [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]]
+            calls = [
+                (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in span.attributes["tool_calls"]
+            ]
+            assert calls == [
+                (c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]
+            ]
         else:
             assert reply_text(served, span) == message["content"] and not span.attributes["tool_calls"]
-    assert player[0].attributes["request"]["messages"] == messages[:2]  # the system prompt and FIRST, as CrewAI sent them
+    assert (
+        player[0].attributes["request"]["messages"] == messages[:2]
+    )  # the system prompt and FIRST, as CrewAI sent them
     for before, after in zip(player, player[1:]):
         exact = before.prompt_token_ids + before.response_token_ids
         assert after.prompt_token_ids[: len(exact)] == exact, "a later question does not extend the earlier one exactly"
@@ -135,11 +144,20 @@ def test_a_won_game_is_the_players_turns_in_one_sample(route):
         {"role": "system", "content": ANSWERER.format(answer="cat", category="animal")},
         {"role": "user", "content": "Does it purr?"},
     ]
-    assert answerer.attributes["request"]["sampling"]["max_tokens"] == 3 and answerer.attributes["request"]["sampling"]["temperature"] == 0
+    assert (
+        answerer.attributes["request"]["sampling"]["max_tokens"] == 3
+        and answerer.attributes["request"]["sampling"]["temperature"] == 0
+    )
     assert player[0].attributes["request"]["messages"][0]["content"] == SYSTEM.format(category="animal")
-    assert player[1].attributes["request"]["messages"][-1] == {"role": "user", "content": "Yes."}  # the answer reached the player
+    assert player[1].attributes["request"]["messages"][-1] == {
+        "role": "user",
+        "content": "Yes.",
+    }  # the answer reached the player
     assert player[2].attributes["request"]["messages"][-1] == {"role": "user", "content": "No."}
-    assert player[0].attributes["request"]["sampling"]["max_tokens"] == 24 and player[0].attributes["request"]["sampling"]["temperature"] == 1.0
+    assert (
+        player[0].attributes["request"]["sampling"]["max_tokens"] == 24
+        and player[0].attributes["request"]["sampling"]["temperature"] == 1.0
+    )
 
 
 def test_a_lost_game_through_the_runner_scores_zero(route):
@@ -171,7 +189,10 @@ def test_search_is_a_tool_call_crewai_hands_back(route):
     assert game.won and game.questions == 2
     spans = chat_spans(route, rid, aid)
     assert [s.attributes["model"] for s in spans] == ["tiny", "tiny"]
-    assert spans[0].attributes["finish_reason"] == "tool_calls" and spans[0].attributes["chat_template"] == "agl-hermes-tools"
+    assert (
+        spans[0].attributes["finish_reason"] == "tool_calls"
+        and spans[0].attributes["chat_template"] == "agl-hermes-tools"
+    )
     assert [t["function"]["name"] for t in spans[0].attributes["request"]["tools"]] == ["search"]
     tool = spans[1].attributes["request"]["messages"][-1]
     assert tool["role"] == "tool" and "Common animals: " in tool["content"] and "cat" in tool["content"]
@@ -199,8 +220,14 @@ def test_q20_crewai_through_the_harness(tmp_path):
     """`task.agent=tasks.q20.crewai_agent:q20_crewai_agent` selects it: an eval job (the runners and
     route that training uses, without the GRPO step, which test_q20.py covers) on two games."""
     result = harness(
-        tmp_path, "model=tiny", "task=q20", "task.agent=tasks.q20.crewai_agent:q20_crewai_agent", "algo=eval",
-        "task.eval_size=2", "task.resources.max_turns=3", "task.max_tokens=8",
+        tmp_path,
+        "model=tiny",
+        "task=q20",
+        "task.agent=tasks.q20.crewai_agent:q20_crewai_agent",
+        "algo=eval",
+        "task.eval_size=2",
+        "task.resources.max_turns=3",
+        "task.max_tokens=8",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     db = sqlite3.connect(tmp_path / "run" / "store.sqlite")
@@ -223,17 +250,23 @@ def test_embedded_model_plays_a_game(tmp_path):
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
         cfg = compose("config")
-    served = ServedWithBase(OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True)), tmp_path / "store.sqlite", perturb=False)
+    served = ServedWithBase(
+        OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True)), tmp_path / "store.sqlite", perturb=False
+    )
     try:
         rid, aid = served.new_attempt()
         game = play(CAT, llm_of(served, rid, aid, {"temperature": 0.0, "max_tokens": 16}), max_turns=2)
         spans = chat_spans(served, rid, aid)
-        assert all(m["content"].strip() for m in game.messages if m["role"] == "assistant")  # it asked something, each time
+        assert all(
+            m["content"].strip() for m in game.messages if m["role"] == "assistant"
+        )  # it asked something, each time
         assert game.questions == 2 or game.won
         player, frozen = check_player(served, spans, game.messages, float(game.won))
         answers = iter(frozen)  # the answerer's own replies; a guess hears "No." from the game instead
         for question, heard in zip(game.messages[2::2], game.messages[3::2]):
-            assert heard["content"] == ("No." if guessed(question["content"]) else verdict(reply_text(served, next(answers))))
+            assert heard["content"] == (
+                "No." if guessed(question["content"]) else verdict(reply_text(served, next(answers)))
+            )
         assert next(answers, None) is None
     finally:
         served.close()

@@ -7,6 +7,7 @@ multi-turn agent through the real route, 8 concurrent runners: the same config a
 end with byte-identical adapters and metrics, with or without kills at random moments, inside
 the update and inside a checkpoint write.
 """
+
 import json
 import os
 import random
@@ -21,13 +22,32 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = [
-    "model=tiny", "algo=grpo", "progress=false", "runner.n=8", "runner.max_attempts=1", "task=hello", "seed=3",
-    "task.agent=crash_points:multi_turn_agent", "task.data=crash_points:load", "task.max_tokens=6",
-    "+task.resources.max_turns=2", "task.eval_size=4", "algo.steps=5", "algo.eval_every=2",
-    "algo.batch_size=2", "algo.group_size=4", "algo.micro_batch_size=4", "algo.lr=1e-2",
+    "model=tiny",
+    "algo=grpo",
+    "progress=false",
+    "runner.n=8",
+    "runner.max_attempts=1",
+    "task=hello",
+    "seed=3",
+    "task.agent=crash_points:multi_turn_agent",
+    "task.data=crash_points:load",
+    "task.max_tokens=6",
+    "+task.resources.max_turns=2",
+    "task.eval_size=4",
+    "algo.steps=5",
+    "algo.eval_every=2",
+    "algo.batch_size=2",
+    "algo.group_size=4",
+    "algo.micro_batch_size=4",
+    "algo.lr=1e-2",
     # an SFT warm-up first (steps 0-1): kills may land in it or at the switch to GRPO
-    "algo.warmup.steps=2", "algo.warmup.batch_size=4", "algo.warmup.micro_batch_size=2", "algo.warmup.lr=1e-2",
+    "algo.warmup.steps=2",
+    "algo.warmup.batch_size=4",
+    "algo.warmup.micro_batch_size=2",
+    "algo.warmup.lr=1e-2",
 ]
+
+
 # What a process measures about itself, not what the run computed: wall times (time_*, *_s,
 # tokens_per_s) and the engine's prefill counter (shared prefills depend on arrival order, and a
 # resumed step reuses finished rollouts).
@@ -38,8 +58,13 @@ def is_cost(name: str) -> bool:
 def harness(*args: str, kill: str = "") -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "tests"), "AGL_TEST_KILL": kill}
     return subprocess.Popen(
-        [sys.executable, "harness.py", *args], cwd=ROOT, env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True, text=True,
+        [sys.executable, "harness.py", *args],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        text=True,
     )
 
 
@@ -106,7 +131,9 @@ def test_kill_9_anywhere_changes_nothing(reference, tmp_path):
         else:
             out, _ = proc.communicate(timeout=300)
             assert proc.returncode == -signal.SIGKILL, f"the {point} kill point was not reached: {out[-2000:]}"
-        checkpoints_at_kill.append((point, [step for (step,) in query(run_dir, "SELECT step FROM checkpoints ORDER BY step")]))
+        checkpoints_at_kill.append(
+            (point, [step for (step,) in query(run_dir, "SELECT step FROM checkpoints ORDER BY step")])
+        )
         upcoming = {"random": "", "rollout": "update", "update": "checkpoint", "checkpoint": ""}
         next_point = "rollout" if len(checkpoints_at_kill) == 3 else upcoming[point]
         proc = harness(f"resume={run_dir}", kill=next_point)
@@ -116,6 +143,8 @@ def test_kill_9_anywhere_changes_nothing(reference, tmp_path):
     assert metrics(run_dir) == metrics(reference), checkpoints_at_kill
     # no rollout failed, every step trained once, the optimizer's step count is continuous
     assert query(run_dir, "SELECT count(*) FROM rollouts WHERE status != 'succeeded'") == [(0,)]
-    assert query(run_dir, "SELECT step, policy_version FROM checkpoints ORDER BY step") == [(s, s + 1) for s in range(7)]
+    assert query(run_dir, "SELECT step, policy_version FROM checkpoints ORDER BY step") == [
+        (s, s + 1) for s in range(7)
+    ]
     died = query(run_dir, "SELECT count(*) FROM attempts WHERE json_extract(metadata, '$.harness_ended') IS NOT NULL")
     assert died[0][0] >= 1  # at least the rollout kill's attempts were handed back, uncharged

@@ -1,6 +1,7 @@
 """The Responses API (``POST /v1/responses``): its translation to the chat pipeline, its output
 items and stream events (pure), and the real route with the real ``openai`` client (and the
 OpenAI Agents SDK's default model, when installed) on the tiny policy."""
+
 import asyncio
 import json
 
@@ -27,7 +28,9 @@ ADD = {
     "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}},
     "strict": False,
 }
-CALL = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'  # compact: re-rendered JSON would have spaces
+CALL = (
+    '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'  # compact: re-rendered JSON would have spaces
+)
 
 
 def request(body):
@@ -44,16 +47,33 @@ def chat(body):
 
 
 def test_input_items_become_the_chat_conversation():
-    call = {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 1}', "id": "fc_1", "status": "completed"}
+    call = {
+        "type": "function_call",
+        "call_id": "c1",
+        "name": "add",
+        "arguments": '{"a": 1}',
+        "id": "fc_1",
+        "status": "completed",
+    }
     req = chat(
         {
             "model": "x",
             "instructions": "Be exact.",
             "input": [
                 {"role": "developer", "content": "Use tools."},
-                {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "1+"}, {"type": "input_text", "text": "2?"}]},
+                {
+                    "type": "message",
+                    "role": "user",
+                    "content": [{"type": "input_text", "text": "1+"}, {"type": "input_text", "text": "2?"}],
+                },
                 {"type": "reasoning", "id": "rs_1", "summary": []},  # dropped
-                {"type": "message", "role": "assistant", "id": "m1", "status": "completed", "content": [{"type": "output_text", "text": "Adding.", "annotations": [], "logprobs": None}]},
+                {
+                    "type": "message",
+                    "role": "assistant",
+                    "id": "m1",
+                    "status": "completed",
+                    "content": [{"type": "output_text", "text": "Adding.", "annotations": [], "logprobs": None}],
+                },
                 call,
                 {**call, "call_id": "c2", "arguments": {"a": 2}},
                 {"type": "function_call_output", "call_id": "c1", "output": "3"},
@@ -91,26 +111,64 @@ def test_input_items_become_the_chat_conversation():
         {"role": "user", "content": "And?"},
     ]
     assert req.token_limit == 7 and req.temperature == 0.5 and req.top_p == 1.0 and not req.logprobs
-    assert [t.model_dump(exclude_none=True) for t in req.tools] == [{"type": "function", "function": {k: ADD[k] for k in ("name", "description", "parameters")}}]
+    assert [t.model_dump(exclude_none=True) for t in req.tools] == [
+        {"type": "function", "function": {k: ADD[k] for k in ("name", "description", "parameters")}}
+    ]
     assert req.tool_choice_json == {"type": "function", "function": {"name": "add"}}
 
     plain = chat({"input": "Hi"})
-    assert [m.model_dump(exclude_none=True) for m in plain.messages] == [{"role": "user", "content": "Hi"}] and plain.temperature == 1.0
+    assert [m.model_dump(exclude_none=True) for m in plain.messages] == [
+        {"role": "user", "content": "Hi"}
+    ] and plain.temperature == 1.0
     assert chat({"input": "Hi", "include": ["message.output_text.logprobs"], "top_logprobs": 3}).n_top_logprobs == 3
     assert chat({"input": "Hi", "top_logprobs": 3}).n_top_logprobs == 0  # logprobs only when included, as OpenAI
     only_call = chat({"input": [call, {"type": "function_call_output", "call_id": "c1", "output": "3"}]})
     assert only_call.messages[0].content is None and only_call.messages[0].tool_calls[0].id == "c1"
     # allowed_tools narrows the tools and sets the mode
-    narrowed = chat({"input": "x", "tools": [ADD, {**ADD, "name": "sub"}], "tool_choice": {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "sub"}]}})
+    narrowed = chat(
+        {
+            "input": "x",
+            "tools": [ADD, {**ADD, "name": "sub"}],
+            "tool_choice": {
+                "type": "allowed_tools",
+                "mode": "required",
+                "tools": [{"type": "function", "name": "sub"}],
+            },
+        }
+    )
     assert [t.function.name for t in narrowed.tools] == ["sub"] and narrowed.tool_choice == "required"
 
 
 @pytest.mark.parametrize(
     "body,param,says",
     [
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}]}, "input.0.content", "Images are not supported"),
-        ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input.0.content", "Files are not supported"),
-        ({"input": [{"type": "function_call_output", "call_id": "c", "output": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.output", "Images"),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": [{"type": "input_image", "image_url": "https://example.com/a.png"}]}
+                ]
+            },
+            "input.0.content",
+            "Images are not supported",
+        ),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
+            "input.0.content",
+            "Files are not supported",
+        ),
+        (
+            {
+                "input": [
+                    {
+                        "type": "function_call_output",
+                        "call_id": "c",
+                        "output": [{"type": "input_image", "image_url": "x"}],
+                    }
+                ]
+            },
+            "input.0.output",
+            "Images",
+        ),
         ({"input": ["hi"]}, "input.0", "must be an object"),
         ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type", "previous_response_id"),
         ({"input": [{"type": "computer_call_output", "call_id": "c", "output": {}}]}, "input.0.type", "not supported"),
@@ -118,13 +176,42 @@ def test_input_items_become_the_chat_conversation():
         ({"input": [{"role": "robot", "content": "x"}]}, "input.0.role", None),
         ({"input": [{"role": "user"}]}, "input.0.content", None),
         ({"input": [{"type": "function_call", "name": "add", "arguments": "{}"}]}, "input.0.call_id", None),
-        ({"input": [{"role": "user", "content": "x"}, {"type": "function_call_output", "call_id": "nope", "output": "3"}]}, "input.1.call_id", "no function_call"),
+        (
+            {
+                "input": [
+                    {"role": "user", "content": "x"},
+                    {"type": "function_call_output", "call_id": "nope", "output": "3"},
+                ]
+            },
+            "input.1.call_id",
+            "no function_call",
+        ),
         ({"input": []}, "input", "nothing to respond to"),
         ({"input": "x", "tools": [{"type": "web_search"}]}, "tools", "only tools of type 'function'"),
-        ({"input": "x", "tools": [{"type": "function", "function": {"name": "add"}}]}, "tools.0.name", None),  # the chat shape
+        (
+            {"input": "x", "tools": [{"type": "function", "function": {"name": "add"}}]},
+            "tools.0.name",
+            None,
+        ),  # the chat shape
         ({"input": "x", "tool_choice": "required"}, "tool_choice", "needs 'tools'"),
-        ({"input": "x", "tools": [ADD], "tool_choice": {"type": "function", "name": "sub"}}, "tool_choice", "'sub' is not in 'tools'"),
-        ({"input": "x", "tools": [ADD], "tool_choice": {"type": "allowed_tools", "mode": "auto", "tools": [{"type": "function", "name": "sub"}]}}, "tool_choice", "'sub'"),
+        (
+            {"input": "x", "tools": [ADD], "tool_choice": {"type": "function", "name": "sub"}},
+            "tool_choice",
+            "'sub' is not in 'tools'",
+        ),
+        (
+            {
+                "input": "x",
+                "tools": [ADD],
+                "tool_choice": {
+                    "type": "allowed_tools",
+                    "mode": "auto",
+                    "tools": [{"type": "function", "name": "sub"}],
+                },
+            },
+            "tool_choice",
+            "'sub'",
+        ),
         ({"input": "x", "tool_choice": {"type": "web_search_preview"}}, "tool_choice", "function tools only"),
         ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", None),
         ({"input": "x", "temperature": 3}, "temperature", None),
@@ -167,7 +254,9 @@ def reassemble(events):
             assert items[index]["arguments"] == e["arguments"]
         elif kind == "response.output_item.done":
             open_items.remove(index)
-            assert {k: v for k, v in items[index].items() if k not in ("status", "content")} == {k: v for k, v in e["item"].items() if k not in ("status", "content")}
+            assert {k: v for k, v in items[index].items() if k not in ("status", "content")} == {
+                k: v for k, v in e["item"].items() if k not in ("status", "content")
+            }
             items[index] = e["item"]
     assert not open_items
     return [items[i] for i in sorted(items)]
@@ -191,14 +280,30 @@ def shape(items):
 def test_text_and_calls_become_message_and_function_call_items():
     items, events = build('Adding.<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>', cuts=[3, 20, 40])
     assert shape(items) == [
-        {"type": "message", "role": "assistant", "status": "completed", "content": [{"type": "output_text", "text": "Adding.", "annotations": [], "logprobs": []}]},
+        {
+            "type": "message",
+            "role": "assistant",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": "Adding.", "annotations": [], "logprobs": []}],
+        },
         {"type": "function_call", "status": "completed", "name": "add", "arguments": '{"a": 1}'},
     ]
-    assert items[1]["id"].startswith("fc_") and items[1]["call_id"].startswith("call_") and items[0]["id"].startswith("msg_")
+    assert (
+        items[1]["id"].startswith("fc_")
+        and items[1]["call_id"].startswith("call_")
+        and items[0]["id"].startswith("msg_")
+    )
     assert reassemble(events) == items
     assert [e["type"] for e in events][:2] == ["response.output_item.added", "response.content_part.added"]
     # nothing written: one empty message; cut by the limit: the last item is incomplete
-    assert shape(build("")[0]) == [{"type": "message", "role": "assistant", "status": "completed", "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}]}]
+    assert shape(build("")[0]) == [
+        {
+            "type": "message",
+            "role": "assistant",
+            "status": "completed",
+            "content": [{"type": "output_text", "text": "", "annotations": [], "logprobs": []}],
+        }
+    ]
     cut, _ = build('<tool_call>\n{"name": "add", "arguments": {"a"', incomplete=True)
     assert shape(cut) == [{"type": "function_call", "status": "incomplete", "name": "add", "arguments": '{"a"'}]
     # without tools the text is returned as written, tool tags and whitespace included
@@ -206,7 +311,22 @@ def test_text_and_calls_become_message_and_function_call_items():
     assert build(raw, tools=False)[0][0]["content"][0]["text"] == raw
 
 
-pieces = st.sampled_from(["Sure. ", " ", "\n", "<tool_call>", "</tool_call>", "<tool_", "call>", '{"name": "add", "arguments": ', '{"a": 1}', "}", "oops", '{"name": "f"}'])
+pieces = st.sampled_from(
+    [
+        "Sure. ",
+        " ",
+        "\n",
+        "<tool_call>",
+        "</tool_call>",
+        "<tool_",
+        "call>",
+        '{"name": "add", "arguments": ',
+        '{"a": 1}',
+        "}",
+        "oops",
+        '{"name": "f"}',
+    ]
+)
 
 
 @settings(max_examples=150, deadline=None)
@@ -221,7 +341,9 @@ def test_items_are_the_same_however_the_reply_is_cut_and_events_rebuild_them(tex
     content.feed(text), content.finish()
     [message] = responses.chat_messages(None, responses.output_items(items))
     assert (message.get("content") or None) == content.content
-    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])] == [(c["function"]["name"], c["function"]["arguments"]) for c in content.calls]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls", [])] == [
+        (c["function"]["name"], c["function"]["arguments"]) for c in content.calls
+    ]
 
 
 def test_stored_responses_are_bounded_and_kept_per_route():
@@ -229,7 +351,11 @@ def test_stored_responses_are_bounded_and_kept_per_route():
     for i in range(3):
         store.put(f"r{i}", StoredResponse(("ro", "at"), [], [], {"id": f"r{i}"}))
     assert store.get("r0", ("ro", "at")) is None and len(store) == 2
-    assert store.get("r1", ("ro", "at")) is not None and store.get("r1", None) is None and store.get("r1", ("ro", "other")) is None
+    assert (
+        store.get("r1", ("ro", "at")) is not None
+        and store.get("r1", None) is None
+        and store.get("r1", ("ro", "other")) is None
+    )
     store.put("r3", StoredResponse(None, [], [], {}))
     assert store.get("r2", ("ro", "at")) is None  # r1 was used more recently
     assert store.delete("r3", None) and not store.delete("r3", None)
@@ -244,11 +370,23 @@ def test_text_response_is_recorded_as_a_chat_span(served):
     client = served.client(served.server.rollout_base_url(rid, aid))
     with forced_tokens(served, tok.encode(" hello there")):
         r = client.responses.create(
-            model=MODEL, instructions="Be brief.", input="What is 2 + 2?", max_output_tokens=10, temperature=0.7,
-            metadata={"run": "t1"}, include=["message.output_text.logprobs"], top_logprobs=2, store=True,
+            model=MODEL,
+            instructions="Be brief.",
+            input="What is 2 + 2?",
+            max_output_tokens=10,
+            temperature=0.7,
+            metadata={"run": "t1"},
+            include=["message.output_text.logprobs"],
+            top_logprobs=2,
+            store=True,
         )
     assert r.object == "response" and r.status == "completed" and r.id.startswith("resp_") and r.model == MODEL
-    assert r.output_text == " hello there" and r.metadata == {"run": "t1"} and r.temperature == 0.7 and r.max_output_tokens == 10
+    assert (
+        r.output_text == " hello there"
+        and r.metadata == {"run": "t1"}
+        and r.temperature == 0.7
+        and r.max_output_tokens == 10
+    )
     [message] = r.output
     assert message.type == "message" and message.role == "assistant" and message.status == "completed"
 
@@ -260,8 +398,16 @@ def test_text_response_is_recorded_as_a_chat_span(served):
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
     attrs = span.attributes
     assert attrs["request"]["messages"] == conversation and attrs["request"]["sampling"]["temperature"] == 0.7
-    assert attrs["request"]["sampling"]["seed_from"] == "derived" and isinstance(attrs["request"]["sampling"]["seed"], int)
-    assert attrs["request"]["responses"] == {"api": "responses", "id": r.id, "previous_response_id": None, "metadata": {"run": "t1"}, "store": True}
+    assert attrs["request"]["sampling"]["seed_from"] == "derived" and isinstance(
+        attrs["request"]["sampling"]["seed"], int
+    )
+    assert attrs["request"]["responses"] == {
+        "api": "responses",
+        "id": r.id,
+        "previous_response_id": None,
+        "metadata": {"run": "t1"},
+        "store": True,
+    }
     assert attrs["chat_template"] == "model" and attrs["finish_reason"] == "stop" and attrs["forced_tokens"] == 0
     # logprobs: one per token of the text (the eos wrote none), as recorded
     logprobs = message.content[0].logprobs
@@ -281,10 +427,28 @@ def test_streamed_text_matches_the_recorded_span(served):
     rid, aid = served.new_attempt()
     client = served.client(served.server.rollout_base_url(rid, aid))
     with forced_tokens(served, tok.encode(" alpha beta")):
-        events = list(client.responses.create(model=MODEL, input="Say it.", max_output_tokens=10, stream=True, include=["message.output_text.logprobs"]))
+        events = list(
+            client.responses.create(
+                model=MODEL,
+                input="Say it.",
+                max_output_tokens=10,
+                stream=True,
+                include=["message.output_text.logprobs"],
+            )
+        )
     kinds = [e.type for e in events]
-    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
-    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done", "response.completed"]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
     assert [e.sequence_number for e in events] == list(range(len(events)))
     assert events[0].response.status == "in_progress" and events[0].response.output == []
     final = events[-1].response
@@ -292,7 +456,9 @@ def test_streamed_text_matches_the_recorded_span(served):
     assert len(deltas) > 1 and "".join(e.delta for e in deltas) == final.output_text == " alpha beta"
     assert all(e.item_id == final.output[0].id and e.output_index == 0 for e in deltas)
     [span] = served.spans(rid, aid)
-    assert decode(tok, reply_ids(span)) == final.output_text and final.usage.output_tokens == len(span.response_token_ids)
+    assert decode(tok, reply_ids(span)) == final.output_text and final.usage.output_tokens == len(
+        span.response_token_ids
+    )
     assert [lp.logprob for e in deltas for lp in e.logprobs] == pytest.approx(span.response_logprobs[:-1], abs=1e-5)
 
     # the SDK's stream helper assembles the same response; a cut reply is "incomplete", as OpenAI's
@@ -319,7 +485,14 @@ def test_tool_call_then_its_output_merge_into_one_sample(served):
         rid, aid = served.new_attempt()
         client = served.client(served.server.rollout_base_url(rid, aid))
         with forced_tokens(served, tok.encode(sampled)):
-            r = client.responses.create(model=MODEL, instructions="Use the tools.", input="What is 1 + 2?", tools=[ADD], tool_choice="required", max_output_tokens=40)
+            r = client.responses.create(
+                model=MODEL,
+                instructions="Use the tools.",
+                input="What is 1 + 2?",
+                tools=[ADD],
+                tool_choice="required",
+                max_output_tokens=40,
+            )
         [call] = r.output
         assert call.type == "function_call" and call.name == "add" and json.loads(call.arguments) == {"a": 1, "b": 2}
         assert call.call_id.startswith("call_") and call.status == "completed" and r.output_text == ""
@@ -328,24 +501,45 @@ def test_tool_call_then_its_output_merge_into_one_sample(served):
         result = {"type": "function_call_output", "call_id": call.call_id, "output": "3"}
         with forced_tokens(served, tok.encode("It is 3.")):
             if how == "items":
-                passed_back = [{"role": "user", "content": "What is 1 + 2?"}] + [item.model_dump(exclude_none=True) for item in r.output] + [result]
-                final = client.responses.create(model=MODEL, instructions="Use the tools.", input=passed_back, tools=[ADD], max_output_tokens=20)
+                passed_back = (
+                    [{"role": "user", "content": "What is 1 + 2?"}]
+                    + [item.model_dump(exclude_none=True) for item in r.output]
+                    + [result]
+                )
+                final = client.responses.create(
+                    model=MODEL, instructions="Use the tools.", input=passed_back, tools=[ADD], max_output_tokens=20
+                )
             else:
-                final = client.responses.create(model=MODEL, instructions="Use the tools.", previous_response_id=r.id, input=[result], tools=[ADD], max_output_tokens=20)
+                final = client.responses.create(
+                    model=MODEL,
+                    instructions="Use the tools.",
+                    previous_response_id=r.id,
+                    input=[result],
+                    tools=[ADD],
+                    max_output_tokens=20,
+                )
                 assert final.previous_response_id == r.id
         assert final.output_text == "It is 3." and final.status == "completed"
 
         first, second = served.spans(rid, aid)
         forced = first.attributes["forced_tokens"]
-        assert forced > 0 and first.attributes["chat_template"] == "agl-hermes-tools" and first.attributes["finish_reason"] == "tool_calls"
+        assert (
+            forced > 0
+            and first.attributes["chat_template"] == "agl-hermes-tools"
+            and first.attributes["finish_reason"] == "tool_calls"
+        )
         assert decode(tok, reply_ids(first)) == sampled  # the forced start is prompt, not sampled
         exact = first.prompt_token_ids + first.response_token_ids
-        assert second.prompt_token_ids[: len(exact)] == exact and second.attributes["prompt_reused_tokens"] == len(exact)
-        assert "<tool_response>\n3\n</tool_response>" in decode(tok, second.prompt_token_ids[len(exact):])
+        assert second.prompt_token_ids[: len(exact)] == exact and second.attributes["prompt_reused_tokens"] == len(
+            exact
+        )
+        assert "<tool_response>\n3\n</tool_response>" in decode(tok, second.prompt_token_ids[len(exact) :])
         [sample] = spans_to_samples([first, second], reward=1.0)
         assert sample.prompt_ids == first.prompt_token_ids
         assert sample.num_sampled == len(first.response_token_ids) + len(second.response_token_ids)
-        assert second.attributes["request"]["responses"]["previous_response_id"] == (r.id if how == "previous_response_id" else None)
+        assert second.attributes["request"]["responses"]["previous_response_id"] == (
+            r.id if how == "previous_response_id" else None
+        )
         prompts.append(second.prompt_token_ids)
     assert decode(tok, prompts[0]) == decode(tok, prompts[1])  # either way, the same conversation
 
@@ -356,9 +550,14 @@ def test_streamed_tool_call_events(served):
     rid, aid = served.new_attempt()
     client = served.client(served.server.rollout_base_url(rid, aid))
     with forced_tokens(served, tok.encode(said)):
-        events = list(client.responses.create(model=MODEL, input="1 + 2?", tools=[ADD], max_output_tokens=60, stream=True))
+        events = list(
+            client.responses.create(model=MODEL, input="1 + 2?", tools=[ADD], max_output_tokens=60, stream=True)
+        )
     final = events[-1].response
-    assert events[-1].type == "response.completed" and [item.type for item in final.output] == ["message", "function_call"]
+    assert events[-1].type == "response.completed" and [item.type for item in final.output] == [
+        "message",
+        "function_call",
+    ]
     assert final.output_text == "Adding." and final.output[1].arguments == '{"a": 1, "b": 2}'
     fragments = [e for e in events if e.type == "response.function_call_arguments.delta"]
     assert len(fragments) > 2 and "".join(e.delta for e in fragments) == final.output[1].arguments
@@ -366,10 +565,18 @@ def test_streamed_tool_call_events(served):
     [done] = [e for e in events if e.type == "response.function_call_arguments.done"]
     assert done.arguments == final.output[1].arguments
     added = [e.item for e in events if e.type == "response.output_item.added"]
-    assert added[1].type == "function_call" and added[1].name == "add" and added[1].arguments == "" and added[1].call_id == final.output[1].call_id
+    assert (
+        added[1].type == "function_call"
+        and added[1].name == "add"
+        and added[1].arguments == ""
+        and added[1].call_id == final.output[1].call_id
+    )
     assert reassemble([e.model_dump() for e in events]) == [item.model_dump() for item in final.output]
     [span] = served.spans(rid, aid)
-    assert span.attributes["tool_calls"][0]["id"] == final.output[1].call_id and span.attributes["finish_reason"] == "tool_calls"
+    assert (
+        span.attributes["tool_calls"][0]["id"] == final.output[1].call_id
+        and span.attributes["finish_reason"] == "tool_calls"
+    )
 
     # not streamed: the same items; the SDK's stream helper assembles them too
     with forced_tokens(served, tok.encode(said)):
@@ -378,7 +585,10 @@ def test_streamed_tool_call_events(served):
     with forced_tokens(served, tok.encode(said)):
         with client.responses.stream(model=MODEL, input="1 + 2?", tools=[ADD], max_output_tokens=60) as stream:
             helped = stream.get_final_response()
-    assert [(i.type, getattr(i, "arguments", None)) for i in helped.output] == [("message", None), ("function_call", '{"a": 1, "b": 2}')]
+    assert [(i.type, getattr(i, "arguments", None)) for i in helped.output] == [
+        ("message", None),
+        ("function_call", '{"a": 1, "b": 2}'),
+    ]
 
 
 def test_bad_input_is_answered_the_openai_way(served):
@@ -387,10 +597,24 @@ def test_bad_input_is_answered_the_openai_way(served):
         client.responses.create(model=MODEL, input="x", previous_response_id="resp_nope", max_output_tokens=1)
     assert err.value.body["code"] == "previous_response_not_found" and err.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.BadRequestError) as err:
-        client.responses.create(model=MODEL, input=[{"type": "web_search_call", "id": "ws", "status": "completed"}], max_output_tokens=1)
+        client.responses.create(
+            model=MODEL, input=[{"type": "web_search_call", "id": "ws", "status": "completed"}], max_output_tokens=1
+        )
     assert err.value.body["param"] == "input.0.type"
     with pytest.raises(openai.BadRequestError) as err:
-        client.responses.create(model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": "What?"}, {"type": "input_image", "image_url": "https://example.com/a.png"}]}], max_output_tokens=1)
+        client.responses.create(
+            model=MODEL,
+            input=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "What?"},
+                        {"type": "input_image", "image_url": "https://example.com/a.png"},
+                    ],
+                }
+            ],
+            max_output_tokens=1,
+        )
     assert "Images are not supported" in err.value.message and err.value.body["param"] == "input.0.content"
     with pytest.raises(openai.NotFoundError) as err:
         client.responses.create(model="gpt-4o", input="x", max_output_tokens=1)
@@ -408,11 +632,18 @@ def test_bad_input_is_answered_the_openai_way(served):
     unstored = scoped.responses.create(model=MODEL, input="x", max_output_tokens=1, store=False)
     with pytest.raises(openai.NotFoundError):
         scoped.responses.create(model=MODEL, input="y", previous_response_id=unstored.id, max_output_tokens=1)
-    assert scoped.responses.create(model=MODEL, input="y", previous_response_id=r.id, max_output_tokens=1).previous_response_id == r.id
+    assert (
+        scoped.responses.create(
+            model=MODEL, input="y", previous_response_id=r.id, max_output_tokens=1
+        ).previous_response_id
+        == r.id
+    )
     assert len(served.spans(rid, aid)) == 3  # the rejected calls recorded nothing
 
     with pytest.raises(openai.NotFoundError):
-        served.client(served.server.rollout_base_url("no-such-rollout", aid)).responses.create(model=MODEL, input="x", max_output_tokens=1)
+        served.client(served.server.rollout_base_url("no-such-rollout", aid)).responses.create(
+            model=MODEL, input="x", max_output_tokens=1
+        )
     served.call(served.store.update_attempt(rid, aid, status="succeeded"))
     with pytest.raises(openai.ConflictError):
         scoped.responses.create(model=MODEL, input="x", max_output_tokens=1)
@@ -442,18 +673,42 @@ def test_disconnected_clients_free_their_slots(served):
 
 
 text = st.text(alphabet=st.characters(codec=None, exclude_categories=()), max_size=8)
-junk = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=True), text, st.lists(st.integers(-1, 3), max_size=2), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+junk = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 3),
+    st.floats(allow_nan=True),
+    text,
+    st.lists(st.integers(-1, 3), max_size=2),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
 
 
 def mostly(valid):
     return st.integers(0, 7).flatmap(lambda k: junk if k == 7 else valid)
 
 
-part = st.fixed_dictionaries({"type": mostly(st.sampled_from(["input_text", "output_text", "input_image", "refusal"])), "text": mostly(text)})
+part = st.fixed_dictionaries(
+    {"type": mostly(st.sampled_from(["input_text", "output_text", "input_image", "refusal"])), "text": mostly(text)}
+)
 item = st.one_of(
-    st.fixed_dictionaries({"role": mostly(st.sampled_from(["user", "system", "developer", "assistant"])), "content": mostly(st.one_of(text, st.lists(part, max_size=2)))}),
-    st.fixed_dictionaries({"type": st.just("function_call"), "call_id": mostly(st.just("c1")), "name": mostly(st.just("add")), "arguments": mostly(st.just('{"a": 1}'))}),
-    st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": mostly(st.just("c1")), "output": mostly(text)}),
+    st.fixed_dictionaries(
+        {
+            "role": mostly(st.sampled_from(["user", "system", "developer", "assistant"])),
+            "content": mostly(st.one_of(text, st.lists(part, max_size=2))),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "type": st.just("function_call"),
+            "call_id": mostly(st.just("c1")),
+            "name": mostly(st.just("add")),
+            "arguments": mostly(st.just('{"a": 1}')),
+        }
+    ),
+    st.fixed_dictionaries(
+        {"type": st.just("function_call_output"), "call_id": mostly(st.just("c1")), "output": mostly(text)}
+    ),
     st.fixed_dictionaries({"type": mostly(st.sampled_from(["reasoning", "item_reference", "message"]))}),
 )
 body = st.fixed_dictionaries(
@@ -477,15 +732,24 @@ body = st.fixed_dictionaries(
 )
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(body=body)
 def test_fuzzed_requests_never_get_a_server_error(served, body):
-    r = httpx.post(served.server.base_url + "/responses", content=json.dumps(body).encode(), headers={"content-type": "application/json"}, timeout=TIMEOUT)
+    r = httpx.post(
+        served.server.base_url + "/responses",
+        content=json.dumps(body).encode(),
+        headers={"content-type": "application/json"},
+        timeout=TIMEOUT,
+    )
     assert r.status_code < 500, r.text
     if r.status_code >= 400:
         assert isinstance(r.json()["error"]["message"], str)
     elif body.get("stream") is True:
-        assert '"type": "error"' not in r.text and ("event: response.completed" in r.text or "event: response.incomplete" in r.text)
+        assert '"type": "error"' not in r.text and (
+            "event: response.completed" in r.text or "event: response.incomplete" in r.text
+        )
     else:
         assert r.json()["status"] in ("completed", "incomplete")
 
@@ -507,12 +771,22 @@ def test_an_agents_sdk_agent_with_its_default_responses_model(served):
         added.append((a, b))
         return a + b
 
-    agent = agents.Agent(name="adder", instructions="Use the tools.", tools=[add], model=MODEL, model_settings=agents.ModelSettings(max_tokens=60))
+    agent = agents.Agent(
+        name="adder",
+        instructions="Use the tools.",
+        tools=[add],
+        model=MODEL,
+        model_settings=agents.ModelSettings(max_tokens=60),
+    )
     script = [tok.encode('<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'), tok.encode("It is 3.")]
 
     async def run(rid, aid, streamed, **kwargs):
-        client = openai.AsyncOpenAI(base_url=served.server.rollout_base_url(rid, aid), api_key="unused", max_retries=0, timeout=TIMEOUT)
-        provider = agents.OpenAIProvider(openai_client=client)  # what set_default_openai_client sets up; Responses by default
+        client = openai.AsyncOpenAI(
+            base_url=served.server.rollout_base_url(rid, aid), api_key="unused", max_retries=0, timeout=TIMEOUT
+        )
+        provider = agents.OpenAIProvider(
+            openai_client=client
+        )  # what set_default_openai_client sets up; Responses by default
         config = agents.RunConfig(model_provider=provider, tracing_disabled=True)
         assert isinstance(provider.get_model(MODEL), OpenAIResponsesModel)
         try:
@@ -538,4 +812,7 @@ def test_an_agents_sdk_agent_with_its_default_responses_model(served):
         [sample] = spans_to_samples(spans, reward=1.0)
         assert sample.num_sampled == len(first.response_token_ids) + len(second.response_token_ids)
         if kwargs:
-            assert second.attributes["request"]["responses"]["previous_response_id"] == first.attributes["request"]["responses"]["id"]
+            assert (
+                second.attributes["request"]["responses"]["previous_response_id"]
+                == first.attributes["request"]["responses"]["id"]
+            )

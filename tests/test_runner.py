@@ -1,4 +1,5 @@
 """Runners against the real store: outcomes, retries, timeouts, hooks, rewards. No model needed."""
+
 import asyncio
 import time
 
@@ -18,7 +19,13 @@ async def store(tmp_path):
 
 
 def make_runner(store, agent, **kwargs):
-    return Runner(store=store, agent=agent, llm_endpoint=lambda r, a: f"http://127.0.0.1:1/rollout/{r}/attempt/{a}/v1", model_name="m", **kwargs)
+    return Runner(
+        store=store,
+        agent=agent,
+        llm_endpoint=lambda r, a: f"http://127.0.0.1:1/rollout/{r}/attempt/{a}/v1",
+        model_name="m",
+        **kwargs,
+    )
 
 
 async def spans_named(store, rollout_id, name):
@@ -47,7 +54,13 @@ async def test_sync_and_async_agents_get_task_llm_resources_and_report_rewards(s
         rewards = [s.attributes["reward"] for s in await spans_named(store, rollout.rollout_id, "reward")]
         assert rewards == ([0.25, 0.75] if agent is sync_agent else [0.5])
     task, url, model, template, extra = seen["sync"]
-    assert task == {"q": 1} and "/rollout/ro-" in url and model == "m" and template == "Q: {question}" and extra == {"bonus": 2}
+    assert (
+        task == {"q": 1}
+        and "/rollout/ro-" in url
+        and model == "m"
+        and template == "Q: {question}"
+        and extra == {"bonus": 2}
+    )
 
 
 async def test_an_exception_fails_the_attempt_with_its_traceback_and_is_retried(store):
@@ -85,7 +98,9 @@ async def test_a_stuck_agent_times_out_and_never_blocks_the_runner(store):
         return 1.0
 
     for agent in (stuck, stuck_sync):
-        rollout = await store.enqueue_rollout({}, config=RolloutConfig(timeout_seconds=0.2, max_attempts=2, retry_condition=["timeout"]))
+        rollout = await store.enqueue_rollout(
+            {}, config=RolloutConfig(timeout_seconds=0.2, max_attempts=2, retry_condition=["timeout"])
+        )
         runner = make_runner(store, agent)
         start = time.perf_counter()
         await runner.run_one()

@@ -1,4 +1,5 @@
 """Inverse-CDF token draws: the right distribution, never a zero-probability token."""
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -7,7 +8,9 @@ from agl.policy.engine import draw
 
 
 @given(
-    probs=st.lists(st.one_of(st.just(0.0), st.floats(1e-12, 1.0)), min_size=1, max_size=30).filter(lambda p: sum(p) > 0),
+    probs=st.lists(st.one_of(st.just(0.0), st.floats(1e-12, 1.0)), min_size=1, max_size=30).filter(
+        lambda p: sum(p) > 0
+    ),
     u=st.one_of(st.just(0.0), st.floats(0.0, 1.0, exclude_max=True), st.just(1.0 - 2**-53)),
 )
 @settings(max_examples=300, deadline=None)

@@ -13,6 +13,7 @@ GGUF through ``gguf_file=``) and compared with the agl policy on a few chat prom
   - bfloat16: GGUF and HF dir equal (1e-5), within 0.05 of the unquantized policy (measured ~0.008);
   - the exported tokenizers (HF dir and GGUF) render every prompt to the policy's exact ids.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -40,7 +41,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [
     [{"role": "user", "content": "What is 17 * 23?"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour, then 1234 and 56."}],
-    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hello! I'm Lightning."}, {"role": "user", "content": "Who?"}],
+    [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello! I'm Lightning."},
+        {"role": "user", "content": "Who?"},
+    ],
 ]
 
 
@@ -49,7 +54,11 @@ def harness_process(tmp_path: Path, *overrides: str) -> subprocess.Popen:
     environ["OMP_NUM_THREADS"] = "1"
     return subprocess.Popen(
         [sys.executable, "harness.py", *overrides, f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=ROOT, env=environ, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cwd=ROOT,
+        env=environ,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
@@ -112,7 +121,10 @@ def test_serve_answers_the_openai_client_records_each_call_and_stops_on_sigterm(
     [span] = first_spans
     assert span.name == "llm.chat" and span.prompt_token_ids == reply.model_extra["prompt_token_ids"]
     assert span.response_token_ids == reply.choices[0].model_extra["token_ids"]
-    assert len(span.response_logprobs) == len(span.response_token_ids) and span.attributes["request"]["messages"] == PROMPTS[0]
+    assert (
+        len(span.response_logprobs) == len(span.response_token_ids)
+        and span.attributes["request"]["messages"] == PROMPTS[0]
+    )
     [span] = second_spans
     assert span.attributes["response_text"] == streamed and span.response_token_ids
 
@@ -201,7 +213,11 @@ def test_bfloat16_export_writes_bf16_gguf_matrices(tmp_path, tiny_model_cfg):
     out = tmp_path / "run" / "export"
     reader = gguf.GGUFReader(out / "model-bfloat16.gguf")
     types = {t.name: t.tensor_type.name for t in reader.tensors}
-    assert types["blk.0.attn_q.weight"] == "BF16" and types["blk.0.attn_norm.weight"] == "F32" and "output.weight" not in types
+    assert (
+        types["blk.0.attn_q.weight"] == "BF16"
+        and types["blk.0.attn_norm.weight"] == "F32"
+        and "output.weight" not in types
+    )
     hf = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32)  # the same bf16 values, computed in fp32
     from_gguf = AutoModelForCausalLM.from_pretrained(out, gguf_file="model-bfloat16.gguf", dtype=torch.float32)
     exact = load_policy(OmegaConf.merge(tiny_model_cfg, {"quantization": "none", "adapter": str(adapter)}), "cpu")
@@ -215,7 +231,13 @@ def test_export_refuses_an_out_dir_that_holds_files(tmp_path, tiny_model_cfg):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(ConfigError, match="already holds files"):
-        agl.run("model=tiny", "algo=export", f"model.adapter={adapter}", f"algo.out={tmp_path / 'mine'}", run_dir=tmp_path / "run")
+        agl.run(
+            "model=tiny",
+            "algo=export",
+            f"model.adapter={adapter}",
+            f"algo.out={tmp_path / 'mine'}",
+            run_dir=tmp_path / "run",
+        )
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
 
 

@@ -5,6 +5,7 @@ The server runs on its own event loop in a background thread (as it would inside
 harness), so both the blocking `OpenAI` client and `AsyncOpenAI` on the test's loop can talk
 to it; `served.call(coro)` runs a coroutine on the server's loop (engine pauses, store reads).
 """
+
 import asyncio
 import contextlib
 import json
@@ -70,10 +71,14 @@ class Served:
         return self.call(self.store.query_spans(rollout_id, attempt_id))
 
     def client(self, base_url=None, **kwargs):
-        return openai.OpenAI(base_url=base_url or self.server.base_url, api_key="unused", max_retries=0, timeout=TIMEOUT, **kwargs)
+        return openai.OpenAI(
+            base_url=base_url or self.server.base_url, api_key="unused", max_retries=0, timeout=TIMEOUT, **kwargs
+        )
 
     def async_client(self, base_url=None):
-        return openai.AsyncOpenAI(base_url=base_url or self.server.base_url, api_key="unused", max_retries=0, timeout=TIMEOUT)
+        return openai.AsyncOpenAI(
+            base_url=base_url or self.server.base_url, api_key="unused", max_retries=0, timeout=TIMEOUT
+        )
 
     def idle(self, within=2.0) -> bool:
         deadline = time.monotonic() + within
@@ -148,7 +153,9 @@ def test_models_health_and_api_key(served):
         with pytest.raises(openai.AuthenticationError) as err:
             served.client(guarded.base_url).chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
         assert err.value.body["type"] == "authentication_error"
-        ok = openai.OpenAI(base_url=guarded.base_url, api_key="sekret", max_retries=0).chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
+        ok = openai.OpenAI(base_url=guarded.base_url, api_key="sekret", max_retries=0).chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=2
+        )
         assert ok.usage.completion_tokens == 2
     finally:
         served.call(guarded.stop())
@@ -158,12 +165,20 @@ def test_chat_round_trip_records_one_exact_span(served):
     rid, aid = served.new_attempt()
     client = served.client(served.server.rollout_base_url(rid, aid))
     r = client.chat.completions.create(
-        model=MODEL, messages=USER, max_tokens=6, temperature=0.7, logprobs=True, top_logprobs=2, extra_body={"return_token_ids": True}
+        model=MODEL,
+        messages=USER,
+        max_tokens=6,
+        temperature=0.7,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"return_token_ids": True},
     )
     choice = r.choices[0]
     assert r.object == "chat.completion" and choice.finish_reason in ("stop", "length")
     assert r.usage.prompt_tokens == len(r.prompt_token_ids) and r.usage.completion_tokens == len(choice.token_ids)
-    assert len(choice.logprobs.content) == len(choice.token_ids) and all(len(t.top_logprobs) == 2 for t in choice.logprobs.content)
+    assert len(choice.logprobs.content) == len(choice.token_ids) and all(
+        len(t.top_logprobs) == 2 for t in choice.logprobs.content
+    )
 
     [span] = served.spans(rid, aid)
     assert span.name == "llm.chat" and span.prompt_token_ids == r.prompt_token_ids == served.policy.render_chat(USER)
@@ -211,12 +226,19 @@ def test_a_failing_engine_step_fails_its_requests_and_not_the_route(served, monk
 async def test_completion_round_trip_async(served):
     rid, aid = served.new_attempt()
     async with served.async_client(served.server.rollout_base_url(rid, aid)) as client:
-        r = await client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, logprobs=2, seed=1, temperature=1.0)
+        r = await client.completions.create(
+            model=MODEL, prompt="The capital of France is", max_tokens=5, logprobs=2, seed=1, temperature=1.0
+        )
     choice = r.choices[0]
     assert r.object == "text_completion" and choice.finish_reason in ("stop", "length")
-    assert len(choice.logprobs.tokens) == r.usage.completion_tokens and all(len(t) <= 2 for t in choice.logprobs.top_logprobs)
+    assert len(choice.logprobs.tokens) == r.usage.completion_tokens and all(
+        len(t) <= 2 for t in choice.logprobs.top_logprobs
+    )
     [span] = served.spans(rid, aid)
-    assert span.name == "llm.completion" and span.prompt_token_ids == served.policy.tokenizer("The capital of France is")["input_ids"]
+    assert (
+        span.name == "llm.completion"
+        and span.prompt_token_ids == served.policy.tokenizer("The capital of France is")["input_ids"]
+    )
     assert decode(served.policy.tokenizer, reply_ids(span)) == choice.text
     assert span.response_logprobs == pytest.approx(choice.logprobs.token_logprobs, abs=1e-5)
 
@@ -225,7 +247,14 @@ def test_streaming_sync_chat_records_and_reports_usage(served):
     rid, aid = served.new_attempt()
     client = served.client(served.server.rollout_base_url(rid, aid))
     stream = client.chat.completions.create(
-        model=MODEL, messages=USER, max_tokens=8, n=2, stream=True, stream_options={"include_usage": True}, logprobs=True, extra_body={"return_token_ids": True}
+        model=MODEL,
+        messages=USER,
+        max_tokens=8,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        logprobs=True,
+        extra_body={"return_token_ids": True},
     )
     texts, finish, usage, ids, logprobs = {0: "", 1: ""}, {}, None, {0: [], 1: []}, {0: [], 1: []}
     for chunk in stream:
@@ -253,7 +282,9 @@ async def test_streaming_async_completion(served):
     rid, aid = served.new_attempt()
     text = ""
     async with served.async_client(served.server.rollout_base_url(rid, aid)) as client:
-        async for chunk in await client.completions.create(model=MODEL, prompt=[1, 520, 9531], max_tokens=7, stream=True, logprobs=0):
+        async for chunk in await client.completions.create(
+            model=MODEL, prompt=[1, 520, 9531], max_tokens=7, stream=True, logprobs=0
+        ):
             text += chunk.choices[0].text
     [span] = served.spans(rid, aid)
     assert span.prompt_token_ids == [1, 520, 9531] and decode(served.policy.tokenizer, reply_ids(span)) == text
@@ -265,7 +296,9 @@ async def test_streaming_async_completion(served):
 def test_recorded_logprobs_match_a_teacher_forced_forward_pass(served):
     rid, aid = served.new_attempt()
     client = served.client(served.server.rollout_base_url(rid, aid))
-    client.chat.completions.create(model=MODEL, messages=USER, max_tokens=12, temperature=1.0, n=2, seed=7, extra_body={"ignore_eos": True})
+    client.chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=12, temperature=1.0, n=2, seed=7, extra_body={"ignore_eos": True}
+    )
     spans = served.spans(rid, aid)
     assert len(spans) == 2 and all(len(s.response_token_ids) == 12 for s in spans)
 
@@ -277,7 +310,9 @@ def test_recorded_logprobs_match_a_teacher_forced_forward_pass(served):
     for span in spans:
         prompt, response = span.prompt_token_ids, span.response_token_ids
         logits = served.call(forward(prompt + response))
-        expected = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1).gather(1, torch.tensor(response)[:, None])[:, 0]
+        expected = torch.log_softmax(logits[len(prompt) - 1 : -1], dim=-1).gather(1, torch.tensor(response)[:, None])[
+            :, 0
+        ]
         torch.testing.assert_close(torch.tensor(span.response_logprobs), expected, atol=2e-3, rtol=0)
 
 
@@ -288,7 +323,9 @@ async def test_32_concurrent_clients_get_their_own_answers(served):
     clients = [served.async_client() for _ in prompts]
 
     async def ask(client, i):
-        r = await client.chat.completions.create(model=MODEL, messages=prompts[i], max_tokens=8, seed=i, extra_body={"return_token_ids": True})
+        r = await client.chat.completions.create(
+            model=MODEL, messages=prompts[i], max_tokens=8, seed=i, extra_body={"return_token_ids": True}
+        )
         return r.choices[0].token_ids, r.choices[0].message.content
 
     try:
@@ -323,11 +360,24 @@ def test_multi_turn_prompt_extends_the_exact_sampled_ids(served):
     # a server that did not see the first call (e.g. after a restart) finds it in the store,
     # even behind more metric spans than the history keeps turns
     for i in range(History().turns_per_attempt + 1):
-        served.call(served.store.add_span(Span(rollout_id=rid, attempt_id=aid, name="metric", start_time=0.0, end_time=0.0, attributes={"name": "m", "value": i})))
+        served.call(
+            served.store.add_span(
+                Span(
+                    rollout_id=rid,
+                    attempt_id=aid,
+                    name="metric",
+                    start_time=0.0,
+                    end_time=0.0,
+                    attributes={"name": "m", "value": i},
+                )
+            )
+        )
     fresh = ModelServer(served.engine, served.policy, served.store)
     served.call(fresh.start())
     try:
-        served.client(fresh.rollout_base_url(rid, aid)).chat.completions.create(model=MODEL, messages=conversation, max_tokens=2)
+        served.client(fresh.rollout_base_url(rid, aid)).chat.completions.create(
+            model=MODEL, messages=conversation, max_tokens=2
+        )
     finally:
         served.call(fresh.stop())
     assert served.spans(rid, aid)[-1].prompt_token_ids[: len(exact)] == exact
@@ -346,7 +396,9 @@ def test_stop_strings_cut_text_and_cancel(served):
         streamed = "".join(c.choices[0].text for c in chunks)
     assert streamed == " alpha beta gamm"
     first, second = served.spans(rid, aid)
-    assert decode(tok, first.response_token_ids).startswith(" alpha beta gam") and len(first.response_token_ids) < len(script)
+    assert decode(tok, first.response_token_ids).startswith(" alpha beta gam") and len(first.response_token_ids) < len(
+        script
+    )
     assert first.attributes["stop_string"] == "gam"
     assert served.idle()
 
@@ -367,11 +419,17 @@ HERMES_TEMPLATE = (
 )
 ADD_TOOL = {
     "type": "function",
-    "function": {"name": "add", "description": "Add two numbers", "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}},
+    "function": {
+        "name": "add",
+        "description": "Add two numbers",
+        "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}},
+    },
 }
 
 
-CALL = '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'  # compact: re-rendered JSON would have spaces
+CALL = (
+    '<tool_call>\n{"name":"add","arguments":{"a":1,"b":2}}\n</tool_call>'  # compact: re-rendered JSON would have spaces
+)
 
 
 def test_tools_on_a_model_without_a_tool_template_merge_into_one_sample(served):
@@ -392,24 +450,36 @@ def test_tools_on_a_model_without_a_tool_template_merge_into_one_sample(served):
     prompt = decode(tok, first.prompt_token_ids)
     assert first.attributes["chat_template"] == "agl-hermes-tools" and first.attributes["forced_tokens"] == 0
     assert prompt.startswith("<|im_start|>system\nUse the tools.\n\n# Tools\n") and json.dumps(ADD_TOOL) in prompt
-    assert prompt.endswith("</tool_call><|im_end|>\n<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+    assert prompt.endswith(
+        "</tool_call><|im_end|>\n<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"
+    )
 
-    conversation = messages + [choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "3"}]
+    conversation = messages + [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "3"},
+    ]
     with forced_tokens(served, tok.encode("It is 3.")):
         final = client.chat.completions.create(model=MODEL, messages=conversation, tools=[ADD_TOOL], max_tokens=20)
     assert final.choices[0].message.content == "It is 3." and final.choices[0].finish_reason == "stop"
     first, second = served.spans(rid, aid)
     exact = first.prompt_token_ids + first.response_token_ids  # the compact JSON as sampled, not re-rendered
     assert second.prompt_token_ids[: len(exact)] == exact and second.attributes["prompt_reused_tokens"] == len(exact)
-    assert decode(tok, second.prompt_token_ids[len(exact):]) == "\n<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        decode(tok, second.prompt_token_ids[len(exact) :])
+        == "\n<|im_start|>user\n<tool_response>\n3\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     [sample] = spans_to_samples([first, second], reward=1.0)
     assert sample.prompt_ids == first.prompt_token_ids
     assert sample.num_sampled == len(first.response_token_ids) + len(second.response_token_ids)
 
     # tool_choice "none": no tools in the prompt, no parsing; the history's call is still rendered as text
-    client.chat.completions.create(model=MODEL, messages=conversation, tools=[ADD_TOOL], tool_choice="none", max_tokens=2)
+    client.chat.completions.create(
+        model=MODEL, messages=conversation, tools=[ADD_TOOL], tool_choice="none", max_tokens=2
+    )
     third = served.spans(rid, aid)[-1]
-    assert "<tools>" not in decode(tok, third.prompt_token_ids) and third.attributes["chat_template"] == "agl-hermes-tools"
+    assert (
+        "<tools>" not in decode(tok, third.prompt_token_ids) and third.attributes["chat_template"] == "agl-hermes-tools"
+    )
     client.chat.completions.create(model=MODEL, messages=USER, tools=[ADD_TOOL], tool_choice="none", max_tokens=2)
     assert served.spans(rid, aid)[-1].attributes["chat_template"] == "model"
 
@@ -421,30 +491,52 @@ def test_tool_choice_required_and_named_force_the_call_without_loss(served):
     sampled = 'add", "arguments": {"a": 1}}\n</tool_call>'
     with forced_tokens(served, tok.encode(sampled)):
         r = served.client(served.server.rollout_base_url(rid, aid)).chat.completions.create(
-            model=MODEL, messages=USER, tools=[ADD_TOOL], tool_choice="required", max_tokens=40, logprobs=True, extra_body={"return_token_ids": True}
+            model=MODEL,
+            messages=USER,
+            tools=[ADD_TOOL],
+            tool_choice="required",
+            max_tokens=40,
+            logprobs=True,
+            extra_body={"return_token_ids": True},
         )
     [call] = r.choices[0].message.tool_calls
-    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 1} and r.choices[0].finish_reason == "tool_calls"
+    assert (
+        call.function.name == "add"
+        and json.loads(call.function.arguments) == {"a": 1}
+        and r.choices[0].finish_reason == "tool_calls"
+    )
     [span] = served.spans(rid, aid)
-    assert span.attributes["forced_tokens"] == len(required) and span.prompt_token_ids[-len(required):] == required
+    assert span.attributes["forced_tokens"] == len(required) and span.prompt_token_ids[-len(required) :] == required
     assert r.prompt_token_ids == span.prompt_token_ids and r.usage.prompt_tokens == len(span.prompt_token_ids)
     assert decode(tok, reply_ids(span)) == sampled  # the forced start is not a sampled token
     assert len(span.response_logprobs) == len(span.response_token_ids) == len(r.choices[0].logprobs.content)
 
     # max_tokens inside the call: still a call, but "length"; after a complete call: "tool_calls"
-    for script, max_tokens, finish in ((sampled, 8, "length"), (sampled + " and then more", len(tok.encode(sampled)) + 2, "tool_calls")):
+    for script, max_tokens, finish in (
+        (sampled, 8, "length"),
+        (sampled + " and then more", len(tok.encode(sampled)) + 2, "tool_calls"),
+    ):
         with forced_tokens(served, tok.encode(script)):
-            cut = served.client().chat.completions.create(model=MODEL, messages=USER, tools=[ADD_TOOL], tool_choice="required", max_tokens=max_tokens)
+            cut = served.client().chat.completions.create(
+                model=MODEL, messages=USER, tools=[ADD_TOOL], tool_choice="required", max_tokens=max_tokens
+            )
         assert cut.choices[0].finish_reason == finish and cut.choices[0].message.tool_calls[0].function.name == "add"
 
     # the next call, served by a route that knows the first one from its span only, forces a named function
-    conversation = USER + [r.choices[0].message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "1"}]
+    conversation = USER + [
+        r.choices[0].message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "1"},
+    ]
     fresh = ModelServer(served.engine, served.policy, served.store)
     served.call(fresh.start())
     try:
         with forced_tokens(served, tok.encode(' {"a": 5}}\n</tool_call>')):
             named = served.client(fresh.rollout_base_url(rid, aid)).chat.completions.create(
-                model=MODEL, messages=conversation, tools=[ADD_TOOL], tool_choice={"type": "function", "function": {"name": "add"}}, max_tokens=40
+                model=MODEL,
+                messages=conversation,
+                tools=[ADD_TOOL],
+                tool_choice={"type": "function", "function": {"name": "add"}},
+                max_tokens=40,
             )
     finally:
         served.call(fresh.stop())
@@ -452,16 +544,18 @@ def test_tool_choice_required_and_named_force_the_call_without_loss(served):
     assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 5}
     first, second = served.spans(rid, aid)
     forced = tok.encode('<tool_call>\n{"name": "add", "arguments":')
-    assert second.attributes["forced_tokens"] == len(forced) and second.prompt_token_ids[-len(forced):] == forced
+    assert second.attributes["forced_tokens"] == len(forced) and second.prompt_token_ids[-len(forced) :] == forced
     exact = first.prompt_token_ids + first.response_token_ids
     assert second.prompt_token_ids[: len(exact)] == exact
     [sample] = spans_to_samples([first, second], reward=1.0)  # forced tokens: prompt, then glue; never loss
     glue = len(second.prompt_token_ids) - len(exact)
-    assert sample.prompt_ids == first.prompt_token_ids and sample.prompt_ids[-len(required):] == required
+    assert sample.prompt_ids == first.prompt_token_ids and sample.prompt_ids[-len(required) :] == required
     assert sample.mask == [1] * len(first.response_token_ids) + [0] * glue + [1] * len(second.response_token_ids)
 
     with pytest.raises(openai.BadRequestError) as err:
-        served.client().chat.completions.create(model=MODEL, messages=USER, tools=[ADD_TOOL], tool_choice={"type": "function", "function": {"name": "sub"}})
+        served.client().chat.completions.create(
+            model=MODEL, messages=USER, tools=[ADD_TOOL], tool_choice={"type": "function", "function": {"name": "sub"}}
+        )
     assert err.value.body["param"] == "tool_choice" and "'sub' is not in 'tools'" in err.value.message
 
 
@@ -469,39 +563,69 @@ def test_streamed_tool_calls_arrive_in_pieces_and_add_up_to_the_whole(served):
     tok = served.policy.tokenizer
     said = 'Adding.<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
     with forced_tokens(served, tok.encode(said)):
-        whole = served.client().chat.completions.create(model=MODEL, messages=USER, tools=[ADD_TOOL], max_tokens=60).choices[0].message
+        whole = (
+            served.client()
+            .chat.completions.create(model=MODEL, messages=USER, tools=[ADD_TOOL], max_tokens=60)
+            .choices[0]
+            .message
+        )
     rid, aid = served.new_attempt()
     with forced_tokens(served, tok.encode(said)):
-        chunks = list(served.client(served.server.rollout_base_url(rid, aid)).chat.completions.create(
-            model=MODEL, messages=USER, tools=[ADD_TOOL], max_tokens=60, stream=True, logprobs=True, extra_body={"return_token_ids": True}
-        ))
+        chunks = list(
+            served.client(served.server.rollout_base_url(rid, aid)).chat.completions.create(
+                model=MODEL,
+                messages=USER,
+                tools=[ADD_TOOL],
+                max_tokens=60,
+                stream=True,
+                logprobs=True,
+                extra_body={"return_token_ids": True},
+            )
+        )
     deltas = [c.delta for chunk in chunks for c in chunk.choices]
     at = next(i for i, d in enumerate(deltas) if d.tool_calls)
-    assert "".join(d.content or "" for d in deltas[:at]) == whole.content == "Adding."  # text before the call is content
+    assert (
+        "".join(d.content or "" for d in deltas[:at]) == whole.content == "Adding."
+    )  # text before the call is content
     head, *fragments = [tc for d in deltas for tc in d.tool_calls or []]
-    assert (head.index, head.type, head.function.name, head.function.arguments) == (0, "function", "add", "") and head.id.startswith("call_")
+    assert (head.index, head.type, head.function.name, head.function.arguments) == (
+        0,
+        "function",
+        "add",
+        "",
+    ) and head.id.startswith("call_")
     assert len(fragments) > 2 and all(f.index == 0 and f.id is None and f.function.name is None for f in fragments)
-    assert "".join(f.function.arguments for f in fragments) == whole.tool_calls[0].function.arguments == '{"a": 1, "b": 2}'
+    assert (
+        "".join(f.function.arguments for f in fragments) == whole.tool_calls[0].function.arguments == '{"a": 1, "b": 2}'
+    )
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     [span] = served.spans(rid, aid)
     assert span.attributes["tool_calls"][0]["id"] == head.id  # recorded as streamed
     assert [t for chunk in chunks for c in chunk.choices for t in c.token_ids] == span.response_token_ids
-    streamed_logprobs = [t.logprob for chunk in chunks for c in chunk.choices for t in (c.logprobs.content if c.logprobs else [])]
+    streamed_logprobs = [
+        t.logprob for chunk in chunks for c in chunk.choices for t in (c.logprobs.content if c.logprobs else [])
+    ]
     assert streamed_logprobs == pytest.approx(span.response_logprobs, abs=1e-5)
 
     # the SDK's stream helper assembles the message the non-streaming call returns
     with forced_tokens(served, tok.encode(said)):
-        with served.client().chat.completions.stream(model=MODEL, messages=USER, tools=[ADD_TOOL], max_tokens=60) as stream:
+        with served.client().chat.completions.stream(
+            model=MODEL, messages=USER, tools=[ADD_TOOL], max_tokens=60
+        ) as stream:
             assembled = stream.get_final_completion().choices[0]
     assert assembled.finish_reason == "tool_calls" and assembled.message.content == whole.content
-    assert [(c.function.name, c.function.arguments) for c in assembled.message.tool_calls] == [(c.function.name, c.function.arguments) for c in whole.tool_calls]
+    assert [(c.function.name, c.function.arguments) for c in assembled.message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in whole.tool_calls
+    ]
 
 
 def test_bad_input_is_answered_the_openai_way(served):
     client = served.client()
     rid, aid = served.new_attempt()
     developer = [{"role": "developer", "content": "Be brief."}] + USER
-    served.client(served.server.rollout_base_url(rid, aid)).chat.completions.create(model=MODEL, messages=developer, max_tokens=1)
+    served.client(served.server.rollout_base_url(rid, aid)).chat.completions.create(
+        model=MODEL, messages=developer, max_tokens=1
+    )
     [span] = served.spans(rid, aid)
     assert span.prompt_token_ids == served.policy.render_chat([{"role": "system", "content": "Be brief."}] + USER)
 
@@ -515,16 +639,28 @@ def test_bad_input_is_answered_the_openai_way(served):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4o", prompt="x", max_tokens=1)
 
-    for image in ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}, {"type": "input_image", "image_url": "https://example.com/a.png"}):
+    for image in (
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        {"type": "input_image", "image_url": "https://example.com/a.png"},
+    ):
         with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}], max_tokens=1)
+            client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": [{"type": "text", "text": "What is it?"}, image]}],
+                max_tokens=1,
+            )
         assert "Images are not supported" in err.value.message and err.value.body["param"] == "messages.0.content"
 
     helper = ModelServer(served.engine, served.policy, model_names=["helper"])  # names a later feature registers
     served.call(helper.start())
     try:
         assert [m.id for m in served.client(helper.base_url).models.list().data] == [MODEL, "helper"]
-        assert served.client(helper.base_url).chat.completions.create(model="helper", messages=USER, max_tokens=1).usage.completion_tokens == 1
+        assert (
+            served.client(helper.base_url)
+            .chat.completions.create(model="helper", messages=USER, max_tokens=1)
+            .usage.completion_tokens
+            == 1
+        )
     finally:
         served.call(helper.stop())
 
@@ -552,22 +688,36 @@ def test_tool_call_round_trip_with_a_tools_template(served, hermes):
     [call] = choice.message.tool_calls
     assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 1, "b": 2}
     [span] = served.spans(rid, aid)
-    assert "<tools>" in decode(tok, span.prompt_token_ids) and span.attributes["tool_calls"][0]["function"]["name"] == "add"
+    assert (
+        "<tools>" in decode(tok, span.prompt_token_ids)
+        and span.attributes["tool_calls"][0]["function"]["name"] == "add"
+    )
 
     # the agent runs the tool and sends the result back: the prompt extends the exact ids
-    conversation = USER + [choice.message.model_dump(exclude_none=True), {"role": "tool", "tool_call_id": call.id, "content": "3"}]
+    conversation = USER + [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "3"},
+    ]
     with forced_tokens(served, tok.encode("It is 3.")):
         final = client.chat.completions.create(model=MODEL, messages=conversation, tools=[ADD_TOOL], max_tokens=20)
     assert final.choices[0].message.content == "It is 3." and final.choices[0].finish_reason == "stop"
     first, second = served.spans(rid, aid)
     exact = first.prompt_token_ids + first.response_token_ids
-    assert second.prompt_token_ids[: len(exact)] == exact and "<tool_response>\n3\n</tool_response>" in decode(tok, second.prompt_token_ids)
+    assert second.prompt_token_ids[: len(exact)] == exact and "<tool_response>\n3\n</tool_response>" in decode(
+        tok, second.prompt_token_ids
+    )
 
     assert first.attributes["chat_template"] == "model"
     with forced_tokens(served, tok.encode(said)):
-        chunks = list(served.client().chat.completions.create(model=MODEL, messages=USER, tools=[ADD_TOOL], max_tokens=60, stream=True))
+        chunks = list(
+            served.client().chat.completions.create(
+                model=MODEL, messages=USER, tools=[ADD_TOOL], max_tokens=60, stream=True
+            )
+        )
     calls = [tc for c in chunks for ch in c.choices for tc in (ch.delta.tool_calls or [])]
-    assert [tc.function.name for tc in calls if tc.function.name] == ["add"] and chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert [tc.function.name for tc in calls if tc.function.name] == ["add"] and chunks[-1].choices[
+        0
+    ].finish_reason == "tool_calls"
 
 
 # ----------------------------------------------------------------------------- policy updates
@@ -590,7 +740,9 @@ def test_pause_update_resume_changes_the_recorded_policy_version(served):
         return await request
 
     served.call(update_while_a_request_waits())
-    served.client(served.server.rollout_base_url(rid, aid)).chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
+    served.client(served.server.rollout_base_url(rid, aid)).chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=2
+    )
     assert [s.attributes["policy_version"] for s in served.spans(rid, aid)] == [before + 1, before + 1]
 
 
@@ -600,17 +752,25 @@ def test_pause_update_resume_changes_the_recorded_policy_version(served):
 def test_unknown_and_finished_attempts(served):
     rid, aid = served.new_attempt()
     with pytest.raises(openai.NotFoundError):
-        served.client(served.server.rollout_base_url("no-such-rollout", aid)).chat.completions.create(model=MODEL, messages=USER, max_tokens=1)
+        served.client(served.server.rollout_base_url("no-such-rollout", aid)).chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=1
+        )
     with pytest.raises(openai.NotFoundError) as err:
-        served.client(served.server.rollout_base_url(rid, "no-such-attempt")).completions.create(model=MODEL, prompt="x", max_tokens=1)
+        served.client(served.server.rollout_base_url(rid, "no-such-attempt")).completions.create(
+            model=MODEL, prompt="x", max_tokens=1
+        )
     assert err.value.body["code"] == "attempt_not_found"
 
     served.call(served.store.update_attempt(rid, aid, status="unresponsive"))  # may come back: still served
-    served.client(served.server.rollout_base_url(rid, aid)).chat.completions.create(model=MODEL, messages=USER, max_tokens=1)
+    served.client(served.server.rollout_base_url(rid, aid)).chat.completions.create(
+        model=MODEL, messages=USER, max_tokens=1
+    )
     assert len(served.spans(rid, aid)) == 1
     served.call(served.store.update_attempt(rid, aid, status="succeeded"))
     with pytest.raises(openai.ConflictError):
-        served.client(served.server.rollout_base_url(rid, aid)).chat.completions.create(model=MODEL, messages=USER, max_tokens=1)
+        served.client(served.server.rollout_base_url(rid, aid)).chat.completions.create(
+            model=MODEL, messages=USER, max_tokens=1
+        )
     served.client().chat.completions.create(model=MODEL, messages=USER, max_tokens=1)  # unscoped: served, not recorded
     assert len(served.spans(rid, aid)) == 1
 
@@ -661,7 +821,15 @@ def test_disconnected_clients_free_their_slots(served):
 # ----------------------------------------------------------------------------- fuzz
 
 text = st.text(alphabet=st.characters(codec=None, exclude_categories=()), max_size=12)  # lone surrogates too
-junk = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=True), text, st.lists(st.integers(-1, 3), max_size=2), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+junk = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-3, 3),
+    st.floats(allow_nan=True),
+    text,
+    st.lists(st.integers(-1, 3), max_size=2),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+)
 
 
 def mostly(valid):
@@ -671,12 +839,30 @@ def mostly(valid):
 
 part = st.one_of(
     st.fixed_dictionaries({"type": mostly(st.just("text")), "text": mostly(text)}),
-    st.fixed_dictionaries({"type": st.sampled_from(["image_url", "input_image"]), "image_url": st.just({"url": "data:image/png;base64,AAAA"})}),
+    st.fixed_dictionaries(
+        {
+            "type": st.sampled_from(["image_url", "input_image"]),
+            "image_url": st.just({"url": "data:image/png;base64,AAAA"}),
+        }
+    ),
 )
-tool_call = st.fixed_dictionaries({"id": st.just("c1"), "type": st.just("function"), "function": st.fixed_dictionaries({"name": st.just("add"), "arguments": mostly(st.just('{"a": 1}'))})})
+tool_call = st.fixed_dictionaries(
+    {
+        "id": st.just("c1"),
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries({"name": st.just("add"), "arguments": mostly(st.just('{"a": 1}'))}),
+    }
+)
 message = st.fixed_dictionaries(
-    {"role": mostly(st.sampled_from(["user", "system", "developer", "assistant", "tool"])), "content": mostly(st.one_of(text, st.lists(part, max_size=2)))},
-    optional={"tool_calls": mostly(st.lists(tool_call, max_size=1)), "tool_call_id": mostly(st.just("c1")), "name": mostly(text)},
+    {
+        "role": mostly(st.sampled_from(["user", "system", "developer", "assistant", "tool"])),
+        "content": mostly(st.one_of(text, st.lists(part, max_size=2))),
+    },
+    optional={
+        "tool_calls": mostly(st.lists(tool_call, max_size=1)),
+        "tool_call_id": mostly(st.just("c1")),
+        "name": mostly(text),
+    },
 )
 sampling = {
     "temperature": mostly(st.floats(0, 2)),
@@ -698,24 +884,45 @@ chat_body = st.fixed_dictionaries(
         "logprobs": mostly(st.booleans()),
         "top_logprobs": mostly(st.integers(0, 5)),
         "tools": mostly(st.just([ADD_TOOL])),
-        "tool_choice": mostly(st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "add"}}])),
+        "tool_choice": mostly(
+            st.sampled_from(["none", "auto", "required", {"type": "function", "function": {"name": "add"}}])
+        ),
         "model": mostly(st.sampled_from([MODEL, "gpt-4o"])),
     },
 )
 completion_body = st.fixed_dictionaries(
-    {"prompt": mostly(st.one_of(text, st.lists(st.integers(0, 49151), min_size=1, max_size=4), st.lists(text, min_size=1, max_size=1))), "max_tokens": mostly(st.integers(1, 3))},
+    {
+        "prompt": mostly(
+            st.one_of(
+                text, st.lists(st.integers(0, 49151), min_size=1, max_size=4), st.lists(text, min_size=1, max_size=1)
+            )
+        ),
+        "max_tokens": mostly(st.integers(1, 3)),
+    },
     optional={**sampling, "logprobs": mostly(st.integers(0, 5)), "echo": junk},
 )
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-@given(request=st.one_of(st.tuples(st.just("/chat/completions"), chat_body), st.tuples(st.just("/completions"), completion_body)))
+@settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
+@given(
+    request=st.one_of(
+        st.tuples(st.just("/chat/completions"), chat_body), st.tuples(st.just("/completions"), completion_body)
+    )
+)
 def test_fuzzed_requests_never_get_a_server_error(served, request):
     path, body = request
-    if isinstance(body.get("max_tokens"), int) and body["max_tokens"] > 3 or not isinstance(body.get("max_tokens"), int):
+    if (
+        isinstance(body.get("max_tokens"), int)
+        and body["max_tokens"] > 3
+        or not isinstance(body.get("max_tokens"), int)
+    ):
         body["max_tokens"] = 2  # junk max_tokens would mean a long default generation; keep it short
     raw = json.dumps(body).encode()  # NaN/Infinity become non-standard tokens, which the server must reject or parse
-    r = httpx.post(served.server.base_url + path, content=raw, headers={"content-type": "application/json"}, timeout=TIMEOUT)
+    r = httpx.post(
+        served.server.base_url + path, content=raw, headers={"content-type": "application/json"}, timeout=TIMEOUT
+    )
     assert r.status_code < 500, r.text
     if r.status_code >= 400:
         assert isinstance(r.json()["error"]["message"], str)

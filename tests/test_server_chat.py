@@ -1,5 +1,6 @@
 """Unit tests of the route's pure parts: request schemas, output assembly (stop strings,
 streaming, UTF-8), tool-call parsing and prompt rendering with exact prefix reuse."""
+
 import json
 
 import pytest
@@ -29,7 +30,15 @@ def tokenizer(tiny_model_cfg):
 @pytest.fixture(scope="module")
 def policy(tokenizer):
     """Only the tokenizer matters for rendering; no weights are needed."""
-    return Policy(model=None, tokenizer=tokenizer, device=torch.device("cpu"), compute_dtype=torch.float32, eos_token_ids=[EOS], context_length=2048, name="tok")
+    return Policy(
+        model=None,
+        tokenizer=tokenizer,
+        device=torch.device("cpu"),
+        compute_dtype=torch.float32,
+        eos_token_ids=[EOS],
+        context_length=2048,
+        name="tok",
+    )
 
 
 # ----------------------------------------------------------------------------- schemas
@@ -47,7 +56,13 @@ def test_chat_request_accepts_openai_shapes_and_ignores_unknown_fields():
             "messages": [
                 {"role": "system", "content": "S"},
                 {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-                {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+                    ],
+                },
                 {"role": "tool", "content": "3", "tool_call_id": "c1"},
             ],
             "max_completion_tokens": 5,
@@ -92,16 +107,31 @@ def test_chat_request_rejections_name_the_param(body, param):
 
 
 def test_developer_messages_are_system_messages_and_images_are_named():
-    req = parse(ChatCompletionRequest, {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "x"}]})
+    req = parse(
+        ChatCompletionRequest,
+        {"messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "x"}]},
+    )
     assert [m["role"] for m in template_messages(req.messages)] == ["system", "user"]
-    for part in ({"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}, {"type": "input_image", "image_url": "x"}):
+    for part in (
+        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+        {"type": "input_image", "image_url": "x"},
+    ):
         with pytest.raises(APIError, match="Images are not supported"):
             parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": [part]}]})
     named = {"type": "function", "function": {"name": "add"}}
-    req = parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [ADD], "tool_choice": named})
+    req = parse(
+        ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [ADD], "tool_choice": named}
+    )
     assert req.tool_choice_json == named
     with pytest.raises(APIError, match="'sub' is not in 'tools'"):
-        parse(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}], "tools": [ADD], "tool_choice": {**named, "function": {"name": "sub"}}})
+        parse(
+            ChatCompletionRequest,
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [ADD],
+                "tool_choice": {**named, "function": {"name": "sub"}},
+            },
+        )
 
 
 def test_invalid_json_and_non_object_bodies_are_400():
@@ -191,20 +221,32 @@ def test_parse_tool_calls():
     text = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n<tool_call>{"name": "neg", "arguments": "{\\"x\\": 3}"}</tool_call>'
     content, calls = parse_tool_calls(text)
     assert content == "Let me add."
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [("add", {"a": 1, "b": 2}), ("neg", {"x": 3})]
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("add", {"a": 1, "b": 2}),
+        ("neg", {"x": 3}),
+    ]
     assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
     assert parse_tool_calls("plain") == ("plain", [])
     bad = "<tool_call>{not json}</tool_call>"
     assert parse_tool_calls(bad) == (bad, [])
     assert parse_tool_calls('<tool_call>{"name": "f"}</tool_call>')[0] is None
     # arguments are the model's own text; a call cut short (max_tokens) is still a call, as OpenAI's are
-    assert parse_tool_calls('<tool_call>{"name": "f", "arguments": {"a":1} }</tool_call>')[1][0]["function"]["arguments"] == '{"a":1}'
-    assert parse_tool_calls('<tool_call>\n{"name": "f", "arguments": {"a": [1')[1][0]["function"] == {"name": "f", "arguments": '{"a": [1'}
+    assert (
+        parse_tool_calls('<tool_call>{"name": "f", "arguments": {"a":1} }</tool_call>')[1][0]["function"]["arguments"]
+        == '{"a":1}'
+    )
+    assert parse_tool_calls('<tool_call>\n{"name": "f", "arguments": {"a": [1')[1][0]["function"] == {
+        "name": "f",
+        "arguments": '{"a": [1',
+    }
     cut, whole = ToolCallParser(), ToolCallParser()
-    cut.feed('<tool_call>{"name": "f", "arguments": {"a": [1'), whole.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call> and on')
+    (
+        cut.feed('<tool_call>{"name": "f", "arguments": {"a": [1'),
+        whole.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call> and on'),
+    )
     cut.finish(), whole.finish()
     assert cut.cut_in_call and not whole.cut_in_call  # finish_reason "length" vs "tool_calls"
-    assert parse_tool_calls('x <tool_call>{"name": "f"')  == ('x <tool_call>{"name": "f"', [])
+    assert parse_tool_calls('x <tool_call>{"name": "f"') == ('x <tool_call>{"name": "f"', [])
 
 
 def assemble_deltas(deltas):
@@ -221,10 +263,28 @@ def assemble_deltas(deltas):
     return content or None, [(c["id"], c["name"], c["arguments"]) for _, c in sorted(calls.items())]
 
 
-pieces = st.sampled_from([
-    "Sure. ", " ", "\n", "<tool_call>", "</tool_call>", "<tool_", "call>", '{"name": "add", "arguments": ', '{"name": "f"}', "{",
-    '{"a": 1}', "}", '"{\\"x\\": 2}"', '{"arguments": {}, "name": "g"}', "oops", '"name"', ": ", "\\",
-])
+pieces = st.sampled_from(
+    [
+        "Sure. ",
+        " ",
+        "\n",
+        "<tool_call>",
+        "</tool_call>",
+        "<tool_",
+        "call>",
+        '{"name": "add", "arguments": ',
+        '{"name": "f"}',
+        "{",
+        '{"a": 1}',
+        "}",
+        '"{\\"x\\": 2}"',
+        '{"arguments": {}, "name": "g"}',
+        "oops",
+        '"name"',
+        ": ",
+        "\\",
+    ]
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -237,9 +297,13 @@ def test_streamed_tool_deltas_add_up_to_the_whole_parse_however_the_text_is_cut(
         last = cut
     deltas += parser.finish()
     content, calls = parse_tool_calls(text)
-    assert assemble_deltas(deltas) == (content, [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in parser.calls])
+    assert assemble_deltas(deltas) == (
+        content,
+        [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in parser.calls],
+    )
     assert (parser.content, [(c["function"]["name"], c["function"]["arguments"]) for c in parser.calls]) == (
-        content, [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+        content,
+        [(c["function"]["name"], c["function"]["arguments"]) for c in calls],
     )
 
 
@@ -249,25 +313,42 @@ def test_content_streams_before_the_call_and_arguments_stream_in_fragments():
     announced, fragment = parser.feed('_call>\n{"name": "add", "arguments": {"a"')
     assert announced["tool_calls"][0]["function"] == {"name": "add", "arguments": ""}
     assert fragment == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a"'}}]}
-    assert parser.feed(": 1}") == [{"tool_calls": [{"index": 0, "function": {"arguments": ': 1'}}]}]  # "}" may close the call
+    assert parser.feed(": 1}") == [
+        {"tool_calls": [{"index": 0, "function": {"arguments": ": 1"}}]}
+    ]  # "}" may close the call
     assert parser.feed("}\n</tool_call>") == [{"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]}]
     assert parser.finish() == [] and parser.calls[0]["function"]["arguments"] == '{"a": 1}'
 
 
 # ----------------------------------------------------------------------------- the built-in tool prompt
 
-ADD = {"type": "function", "function": {"name": "add", "description": "Add", "parameters": {"type": "object", "properties": {"a": {"type": "number"}}}}}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add",
+        "parameters": {"type": "object", "properties": {"a": {"type": "number"}}},
+    },
+}
 
 
 def test_builtin_tool_prompt_renders_inside_the_models_own_template(policy, tokenizer):
     messages = [
         {"role": "system", "content": "Be exact."},
         {"role": "user", "content": "1+2?"},
-        {"role": "assistant", "content": "Let me add.", "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}]},
+        {
+            "role": "assistant",
+            "content": "Let me add.",
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": 2}}}
+            ],
+        },
         {"role": "tool", "tool_call_id": "c1", "content": "3"},
         {"role": "tool", "tool_call_id": "c2", "content": "4"},
     ]
-    assert tool_prompt.needs_builtin(policy.supports_tools, messages, [ADD]) and not tool_prompt.needs_builtin(True, messages, [ADD])
+    assert tool_prompt.needs_builtin(policy.supports_tools, messages, [ADD]) and not tool_prompt.needs_builtin(
+        True, messages, [ADD]
+    )
     text = decode(tokenizer, render_prompt(policy, tool_prompt.builtin_messages(messages, [ADD]), None).ids)
     assert text == (
         "<|im_start|>system\nBe exact.\n\n" + tool_prompt.tools_section([ADD]) + "<|im_end|>\n"
@@ -278,7 +359,10 @@ def test_builtin_tool_prompt_renders_inside_the_models_own_template(policy, toke
     )
     assert json.dumps(ADD) in tool_prompt.tools_section([ADD])
     # no system message: the tools make one; no tools (tool_choice "none"): no tools section
-    assert tool_prompt.builtin_messages(messages[1:2], [ADD])[0] == {"role": "system", "content": tool_prompt.tools_section([ADD])}
+    assert tool_prompt.builtin_messages(messages[1:2], [ADD])[0] == {
+        "role": "system",
+        "content": tool_prompt.tools_section([ADD]),
+    }
     assert tool_prompt.builtin_messages(messages[:2], None) == messages[:2]
 
 
@@ -290,7 +374,10 @@ def test_an_earlier_reply_is_rendered_as_the_model_wrote_it(policy):
     canonical = tool_prompt.builtin_messages(said, None)[1]["content"]
     assert canonical == '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
     other_args = [{**call[0], "function": {"name": "add", "arguments": {"a": 1, "b": 3}}}]  # the agent changed the call
-    assert tool_prompt.builtin_messages([said[0], {**said[1], "tool_calls": other_args}], None, [reply])[1]["content"] != reply
+    assert (
+        tool_prompt.builtin_messages([said[0], {**said[1], "tool_calls": other_args}], None, [reply])[1]["content"]
+        != reply
+    )
 
 
 # ----------------------------------------------------------------------------- prefix reuse
@@ -316,10 +403,17 @@ def test_reply_cut_by_a_length_limit_or_stop_string_reuses_what_lines_up(policy,
     response = tokenizer.encode(" one two three")  # no eos: length-limited
     turn = Turn(prompt1, response, decode(tokenizer, prompt1))
     # the template closes the turn itself: all sampled ids are reused
-    full = render_prompt(policy, first + [{"role": "assistant", "content": " one two three"}, {"role": "user", "content": "More"}], None, [turn])
+    full = render_prompt(
+        policy,
+        first + [{"role": "assistant", "content": " one two three"}, {"role": "user", "content": "More"}],
+        None,
+        [turn],
+    )
     assert full.reused == len(prompt1) + len(response)
     # a stop string cut the text: only the ids inside the returned text are reused
-    cut = render_prompt(policy, first + [{"role": "assistant", "content": " one tw"}, {"role": "user", "content": "More"}], None, [turn])
+    cut = render_prompt(
+        policy, first + [{"role": "assistant", "content": " one tw"}, {"role": "user", "content": "More"}], None, [turn]
+    )
     assert cut.ids[: cut.reused] == prompt1 + tokenizer.encode(" one")
     # an unrelated conversation renders from scratch
     other = [{"role": "user", "content": "Different"}]

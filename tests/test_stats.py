@@ -1,4 +1,5 @@
 """Wilson intervals and McNemar's exact test, against first principles."""
+
 import math
 
 from hypothesis import given
@@ -32,7 +33,9 @@ def test_mcnemar_is_the_two_sided_binomial_test_of_the_discordant_pairs(gained, 
     assert mcnemar_exact(gained, lost) == mcnemar_exact(lost, gained)
 
 
-@given(st.dictionaries(st.integers(0, 50), st.tuples(st.sampled_from([0.0, 1.0]), st.sampled_from([0.0, 1.0])), min_size=1))
+@given(
+    st.dictionaries(st.integers(0, 50), st.tuples(st.sampled_from([0.0, 1.0]), st.sampled_from([0.0, 1.0])), min_size=1)
+)
 def test_paired_change_counts_only_the_tasks_that_moved(pairs):
     before = {t: b for t, (b, _) in pairs.items()}
     after = {t: a for t, (_, a) in pairs.items()}

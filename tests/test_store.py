@@ -20,8 +20,6 @@ from agl.types import UNSET, AttemptStatus, RolloutConfig, RolloutStatus, Span
 asyncio_test = pytest.mark.asyncio
 
 
-
-
 def llm_span(attempted, n: int = 200, **kw) -> Span:
     return Span(
         rollout_id=attempted.rollout_id,
@@ -37,8 +35,10 @@ def llm_span(attempted, n: int = 200, **kw) -> Span:
 
 def reward_span(attempted, reward: float) -> Span:
     return Span(
-        rollout_id=attempted.rollout_id, attempt_id=attempted.attempt.attempt_id,
-        name="reward", attributes={"reward": reward},
+        rollout_id=attempted.rollout_id,
+        attempt_id=attempted.attempt.attempt_id,
+        name="reward",
+        attributes={"reward": reward},
     )
 
 
@@ -232,8 +232,9 @@ async def test_span_roundtrip_and_blob_encoding(store: SqliteStore, path: Path):
     assert len(blob) == 800 and blob[:8] == (0).to_bytes(4, "little") + (1).to_bytes(4, "little")
     assert len(lp) == 800
     with pytest.raises(ValueError):  # ids must fit in int32
-        await store.add_span(Span(rollout_id=a.rollout_id, attempt_id=a.attempt.attempt_id, name="x",
-                                  prompt_token_ids=[2**40]))
+        await store.add_span(
+            Span(rollout_id=a.rollout_id, attempt_id=a.attempt.attempt_id, name="x", prompt_token_ids=[2**40])
+        )
 
 
 @asyncio_test
@@ -241,8 +242,13 @@ async def test_span_accepts_numpy_arrays(store: SqliteStore):
     np = pytest.importorskip("numpy")
     await store.enqueue_rollout("x")
     a = await store.dequeue_rollout()
-    span = Span(rollout_id=a.rollout_id, attempt_id=a.attempt.attempt_id, name="llm.completion",
-                prompt_token_ids=np.arange(5, dtype=np.int64), response_logprobs=np.full(3, -1.25, dtype=np.float32))
+    span = Span(
+        rollout_id=a.rollout_id,
+        attempt_id=a.attempt.attempt_id,
+        name="llm.completion",
+        prompt_token_ids=np.arange(5, dtype=np.int64),
+        response_logprobs=np.full(3, -1.25, dtype=np.float32),
+    )
     await store.add_span(span)
     [back] = await store.query_spans(a.rollout_id)
     assert back.prompt_token_ids == [0, 1, 2, 3, 4] and back.response_logprobs == [-1.25] * 3
@@ -450,8 +456,9 @@ async def test_unresponsive_from_last_heartbeat(store: SqliteStore, clock: FakeC
 
 @asyncio_test
 async def test_unresponsive_without_heartbeat_counts_from_start(store: SqliteStore, clock: FakeClock):
-    r = await store.start_rollout("x", config={"unresponsive_seconds": 1, "max_attempts": 2,
-                                               "retry_condition": ["unresponsive"]})
+    r = await store.start_rollout(
+        "x", config={"unresponsive_seconds": 1, "max_attempts": 2, "retry_condition": ["unresponsive"]}
+    )
     clock.advance(1)
     await store.check_timeouts()
     assert (await store.get_rollout_by_id(r.rollout_id)).status == "requeuing"
@@ -566,8 +573,12 @@ async def test_readonly_next_to_writer(store: SqliteStore, path: Path):
         assert [x.rollout_id for x in await reader.query_rollouts(step=0)] == [r.rollout_id]
         await store.enqueue_rollout("y")  # the writer is not blocked by the reader
         assert len(await reader.query_rollouts()) == 2
-        for call in (reader.enqueue_rollout("z"), reader.dequeue_rollout(), reader.check_timeouts(),
-                     reader.set_run_info("k", 1)):
+        for call in (
+            reader.enqueue_rollout("z"),
+            reader.dequeue_rollout(),
+            reader.check_timeouts(),
+            reader.set_run_info("k", 1),
+        ):
             with pytest.raises(ReadOnlyStoreError):
                 await call
         waiter = asyncio.create_task(reader.wait_for_rollouts([r.rollout_id], timeout=10))
@@ -590,8 +601,11 @@ async def test_checkpoints_roundtrip_and_pruning(path: Path):
         assert await store.load_checkpoint() is None
         for step in range(1, 5):
             await store.save_checkpoint(
-                step, policy_version=step * 10, state={"cursor": step, "rng": [1, 2, step]},
-                blobs={"adapter": bytes([step]) * 1000, "optimizer": b"o" * step}, metrics={"loss": 1 / step},
+                step,
+                policy_version=step * 10,
+                state={"cursor": step, "rng": [1, 2, step]},
+                blobs={"adapter": bytes([step]) * 1000, "optimizer": b"o" * step},
+                metrics={"loss": 1 / step},
             )
         latest = await store.load_checkpoint()
         assert (latest.step, latest.policy_version, latest.state) == (4, 40, {"cursor": 4, "rng": [1, 2, 4]})
@@ -661,7 +675,10 @@ async def test_views_answer_questions_in_plain_sql(store: SqliteStore, path: Pat
     ).fetchall()
     assert summary == [(0, 3, 2, 1, 2, 0.5), (1, 3, 3, 0, 3, pytest.approx(2 / 3))]
     assert conn.execute("SELECT reward FROM rollout_rewards WHERE step = 1 ORDER BY rowid").fetchall() == [
-        (0.5,), (0.5,), (1.0,)]
+        (0.5,),
+        (0.5,),
+        (1.0,),
+    ]
     durations = conn.execute("SELECT duration, spans FROM attempt_durations WHERE status = 'succeeded'").fetchall()
     assert durations[0] == (2.0, 3)
     calls = conn.execute("SELECT prompt_tokens, response_tokens, policy_version FROM llm_calls").fetchall()
@@ -711,8 +728,11 @@ async def test_concurrent_dequeues_tasks_and_second_process(path: Path):
         n = 1500
         rollouts = await store.enqueue_rollouts(list(range(n)))
         proc = subprocess.Popen(
-            [PYTHON, str(WORKER), "dequeue", str(path)], cwd=REPO,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            [PYTHON, str(WORKER), "dequeue", str(path)],
+            cwd=REPO,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         assert proc.stdout.readline().strip() == "ready"
 

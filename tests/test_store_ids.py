@@ -22,7 +22,12 @@ async def scripted_run(path: Path) -> list[str]:
         ids = [store.session_id]
         ids += [(await store.add_resources({"policy_version": v})).resources_id for v in range(2)]
         ids.append((await store.add_resources({"policy_version": 2}, resources_id="mine")).resources_id)
-        ids += [r.rollout_id for r in await store.enqueue_rollouts(["a", "b", "c"], config={"max_attempts": 2, "retry_condition": ["failed"]})]
+        ids += [
+            r.rollout_id
+            for r in await store.enqueue_rollouts(
+                ["a", "b", "c"], config={"max_attempts": 2, "retry_condition": ["failed"]}
+            )
+        ]
         started = await store.start_rollout("d")
         ids += [started.rollout_id, started.attempt.attempt_id]
         while (got := await store.dequeue_rollout()) is not None:
@@ -41,9 +46,19 @@ async def test_same_calls_give_same_ids(tmp_path: Path):
     second = await scripted_run(tmp_path / "two.sqlite")
     assert first == second
     assert first == [
-        "se-000001", "rs-000001", "rs-000002", "mine",
-        "ro-000001", "ro-000002", "ro-000003", "ro-000004", "at-000004-1",
-        "at-000001-1", "at-000002-1", "at-000003-1", "at-000002-2",  # b failed once and was retried
+        "se-000001",
+        "rs-000001",
+        "rs-000002",
+        "mine",
+        "ro-000001",
+        "ro-000002",
+        "ro-000003",
+        "ro-000004",
+        "at-000004-1",
+        "at-000001-1",
+        "at-000002-1",
+        "at-000003-1",
+        "at-000002-2",  # b failed once and was retried
         "at-000004-2",
     ]
     assert len(set(first)) == len(first)

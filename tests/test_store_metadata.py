@@ -69,7 +69,9 @@ async def test_metadata_query_matches_pythons_equality_in_creation_order(store: 
         found = await store.query_rollouts(metadata=query)
         assert [r.rollout_id for r in found] == expected(query, ids), query
     await store.dequeue_rollout()
-    assert [r.rollout_id for r in await store.query_rollouts("queuing", metadata={"eval_step": 0})] == ids[1:2] + ids[7:8]
+    assert [r.rollout_id for r in await store.query_rollouts("queuing", metadata={"eval_step": 0})] == ids[1:2] + ids[
+        7:8
+    ]
     assert [r.rollout_id for r in await store.query_rollouts(step=2, metadata={"eval_step": "0"})] == ids[6:7]
     assert await store.query_rollouts(rollout_ids=ids[:1], metadata={"eval_step": 3}) == []
 

@@ -22,8 +22,6 @@ TIMEOUT_RETRY = RolloutConfig(timeout_seconds=5, max_attempts=2, retry_condition
 SILENT_ONCE = RolloutConfig(unresponsive_seconds=3)
 
 
-
-
 def in_file(path: Path, rollout_id: str) -> tuple[str, str]:
     """(rollout status, latest attempt status) as stored, read with plain sqlite3."""
     conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
@@ -49,7 +47,9 @@ READS = {
 
 @asyncio_test
 @pytest.mark.parametrize("read", list(READS))
-async def test_every_read_of_a_writable_store_applies_due_deadlines(store: SqliteStore, path: Path, clock: FakeClock, read: str):
+async def test_every_read_of_a_writable_store_applies_due_deadlines(
+    store: SqliteStore, path: Path, clock: FakeClock, read: str
+):
     r = await store.enqueue_rollout("x", config=TIMEOUT_RETRY)
     a = await store.dequeue_rollout()
     await store.add_span(Span(rollout_id=r.rollout_id, attempt_id=a.attempt.attempt_id, name="llm.chat"))
@@ -90,7 +90,10 @@ async def test_read_only_store_shows_deadlines_without_writing(store: SqliteStor
         assert latest[0].end_time == clock.now and latest[3].end_time is None
         assert [a.status for a in await reader.query_attempts(retried.rollout_id)] == ["timeout"]
         done = await reader.wait_for_rollouts(ids, timeout=0)
-        assert [(r.rollout_id, r.status) for r in done] == [(silent.rollout_id, "failed"), (cancelled.rollout_id, "cancelled")]
+        assert [(r.rollout_id, r.status) for r in done] == [
+            (silent.rollout_id, "failed"),
+            (cancelled.rollout_id, "cancelled"),
+        ]
 
         assert [in_file(path, rid) for rid in ids] == stored  # nothing was written
         assert stored[0] == ("preparing", "preparing")
@@ -104,7 +107,9 @@ async def test_read_only_store_shows_deadlines_without_writing(store: SqliteStor
 
 
 @asyncio_test
-async def test_read_only_waiter_sees_a_deadline_pass_without_any_commit(store: SqliteStore, path: Path, clock: FakeClock):
+async def test_read_only_waiter_sees_a_deadline_pass_without_any_commit(
+    store: SqliteStore, path: Path, clock: FakeClock
+):
     r = await store.enqueue_rollout("x", config=SILENT_ONCE)
     await store.dequeue_rollout()
     reader = SqliteStore.open_readonly(path, clock=clock, poll_interval=0.02)

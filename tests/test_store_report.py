@@ -15,10 +15,12 @@ from agl.types import RolloutConfig, Span
 
 
 async def finish(store: SqliteStore, got, status: str = "succeeded", error: str | None = None) -> None:
-    await store.add_span(Span(rollout_id=got.rollout_id, attempt_id=got.attempt.attempt_id, name="reward",
-                              attributes={"reward": 1.0}))
-    await store.update_attempt(got.rollout_id, got.attempt.attempt_id, status=status,
-                               **({"metadata": {"error": error}} if error else {}))
+    await store.add_span(
+        Span(rollout_id=got.rollout_id, attempt_id=got.attempt.attempt_id, name="reward", attributes={"reward": 1.0})
+    )
+    await store.update_attempt(
+        got.rollout_id, got.attempt.attempt_id, status=status, **({"metadata": {"error": error}} if error else {})
+    )
 
 
 async def a_run_with_two_harness_ends(path: Path) -> None:
@@ -27,8 +29,9 @@ async def a_run_with_two_harness_ends(path: Path) -> None:
     clock = FakeClock()
     store = SqliteStore(path, clock=clock, watchdog_interval=None)
     try:
-        a, b, c, d = await store.enqueue_rollouts(list("abcd"), metadata={"step": 0},
-                                                  config=RolloutConfig(max_attempts=2, retry_condition=["failed"]))
+        a, b, c, d = await store.enqueue_rollouts(
+            list("abcd"), metadata={"step": 0}, config=RolloutConfig(max_attempts=2, retry_condition=["failed"])
+        )
         await finish(store, await store.dequeue_rollout())
         await finish(store, await store.dequeue_rollout(), "failed", "ValueError: bad answer\ntraceback...")
         for how in ("dead", "closed"):
@@ -50,9 +53,13 @@ def test_report_counts_harness_ends_apart(tmp_path: Path):
     asyncio.run(a_run_with_two_harness_ends(tmp_path / "store.sqlite"))
     conn = sqlite3.connect(tmp_path / "store.sqlite")
     assert conn.execute("SELECT step, rollouts, succeeded, retried, interrupted FROM step_summary").fetchall() == [
-        (0, 4, 4, 1, 2)]
+        (0, 4, 4, 1, 2)
+    ]
     assert conn.execute("SELECT harness_ended, count(*) FROM attempt_durations GROUP BY 1 ORDER BY 1").fetchall() == [
-        (None, 5), ("closed", 1), ("dead", 1)]
+        (None, 5),
+        ("closed", 1),
+        ("dead", 1),
+    ]
     conn.close()
 
     report_run(tmp_path, echo=False)

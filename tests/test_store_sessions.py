@@ -21,8 +21,6 @@ asyncio_test = pytest.mark.asyncio
 SINGLE_TRY = RolloutConfig()  # max_attempts=1, no retry_condition
 
 
-
-
 def harness(path: Path, clock: FakeClock) -> SqliteStore:
     """Another harness process on the same file (its own session)."""
     return SqliteStore(path, clock=clock, watchdog_interval=None)
@@ -45,15 +43,19 @@ def test_rollout_status_for_attempt_counts_charged_attempts_only():
     assert rollout_status_for_attempt(AttemptStatus.TIMEOUT, 1, cfg) == RolloutStatus.FAILED  # not retried
     # R7: whatever the budget and retry_condition say.
     for charged in (1, 2, 5):
-        assert rollout_status_for_attempt(AttemptStatus.UNRESPONSIVE, charged, SINGLE_TRY, harness_ended=True) == "requeuing"
+        assert (
+            rollout_status_for_attempt(AttemptStatus.UNRESPONSIVE, charged, SINGLE_TRY, harness_ended=True)
+            == "requeuing"
+        )
     assert rollout_status_for_attempt(AttemptStatus.RUNNING, 9, cfg) == RolloutStatus.RUNNING
 
 
 def test_charged_attempt_number_skips_harness_deaths():
     def attempt(seq: int, ended: bool = False) -> Attempt:
         meta = {"harness_ended": "dead", "error": "..."} if ended else {"error": "agent"}
-        return Attempt(rollout_id="ro-000001", attempt_id=f"at-000001-{seq}", sequence_id=seq, start_time=0.0,
-                       metadata=meta)
+        return Attempt(
+            rollout_id="ro-000001", attempt_id=f"at-000001-{seq}", sequence_id=seq, start_time=0.0, metadata=meta
+        )
 
     attempts = [attempt(1, True), attempt(2), attempt(3, True), attempt(4, True), attempt(5)]
     assert [is_harness_ended(a) for a in attempts] == [True, False, True, True, False]
@@ -146,7 +148,9 @@ async def test_ended_sessions_requeue_in_attempt_creation_order(store: SqliteSto
 
 @asyncio_test
 async def test_a_revived_attempt_counts_again_and_changes_owner(store: SqliteStore, path: Path, clock: FakeClock):
-    r = await store.enqueue_rollout("x", config=RolloutConfig(max_attempts=2, retry_condition=["unresponsive", "failed"]))
+    r = await store.enqueue_rollout(
+        "x", config=RolloutConfig(max_attempts=2, retry_condition=["unresponsive", "failed"])
+    )
     runner = harness(path, clock)
     got = await runner.dequeue_rollout()
     await runner.close()
@@ -166,8 +170,9 @@ async def test_a_revived_attempt_counts_again_and_changes_owner(store: SqliteSto
 @asyncio_test
 async def test_deadline_failures_are_still_charged(store: SqliteStore, clock: FakeClock):
     """Only a harness's end is free: a silent agent uses up its tries as before."""
-    r = await store.enqueue_rollout("x", config={"unresponsive_seconds": 1, "max_attempts": 2,
-                                                 "retry_condition": ["unresponsive"]})
+    r = await store.enqueue_rollout(
+        "x", config={"unresponsive_seconds": 1, "max_attempts": 2, "retry_condition": ["unresponsive"]}
+    )
     await store.dequeue_rollout()
     clock.advance(1)
     await store.check_timeouts()

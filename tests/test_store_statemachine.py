@@ -35,8 +35,12 @@ ACTIVE = {"preparing", "running"}
 
 CONFIGS = [
     RolloutConfig(),
-    RolloutConfig(max_attempts=3, retry_condition=["failed", "timeout", "unresponsive"],
-                  timeout_seconds=10, unresponsive_seconds=3),
+    RolloutConfig(
+        max_attempts=3,
+        retry_condition=["failed", "timeout", "unresponsive"],
+        timeout_seconds=10,
+        unresponsive_seconds=3,
+    ),
     RolloutConfig(max_attempts=2, retry_condition=["unresponsive"], unresponsive_seconds=4),
     RolloutConfig(timeout_seconds=5),
 ]
@@ -112,8 +116,12 @@ class Model:
     def end_session(self, owner: str) -> dict[str, str]:
         """R7: the session's active attempts, in creation order, end uncharged."""
         ended = sorted(
-            ((a.created, r, a) for r in self.rollouts.values() for a in r.attempts
-             if a.owner == owner and a.status in ACTIVE),
+            (
+                (a.created, r, a)
+                for r in self.rollouts.values()
+                for a in r.attempts
+                if a.owner == owner and a.status in ACTIVE
+            ),
             key=lambda t: t[0],
         )
         for _, r, a in ended:
@@ -130,8 +138,11 @@ class Model:
                 if a.status not in ACTIVE:
                     continue
                 timeout_at = None if cfg.timeout_seconds is None else a.start + cfg.timeout_seconds
-                silent_at = (None if cfg.unresponsive_seconds is None
-                             else (a.heartbeat if a.heartbeat is not None else a.start) + cfg.unresponsive_seconds)
+                silent_at = (
+                    None
+                    if cfg.unresponsive_seconds is None
+                    else (a.heartbeat if a.heartbeat is not None else a.start) + cfg.unresponsive_seconds
+                )
                 limits = [t for t in (timeout_at, silent_at) if t is not None]
                 if limits and min(limits) <= now:
                     due.append((min(limits), a.created, r, a, timeout_at))
@@ -222,9 +233,12 @@ class StoreMachine(RuleBasedStateMachine):
         """The runner harness goes away with attempts in flight: closed, or killed."""
         runner, self.runner = self.runner, None
         latest_active = [
-            r for r in self.model.rollouts.values()
-            if r.attempts and r.status not in TERMINAL
-            and r.attempts[-1].owner == runner.session_id and r.attempts[-1].status in ACTIVE
+            r
+            for r in self.model.rollouts.values()
+            if r.attempts
+            and r.status not in TERMINAL
+            and r.attempts[-1].owner == runner.session_id
+            and r.attempts[-1].status in ACTIVE
         ]
         expected = self.model.end_session(runner.session_id)
         if dead:
@@ -251,13 +265,25 @@ class StoreMachine(RuleBasedStateMachine):
     def add_span(self, index: int, older: bool) -> None:
         r = self.pick_attempted(index)
         a = r.attempts[0] if older else r.attempts[-1]
-        self.run(self.store.add_span(Span(rollout_id=r.rollout_id, attempt_id=a.attempt_id, name="llm.chat",
-                                          prompt_token_ids=[1, 2], response_logprobs=[-0.5])))
+        self.run(
+            self.store.add_span(
+                Span(
+                    rollout_id=r.rollout_id,
+                    attempt_id=a.attempt_id,
+                    name="llm.chat",
+                    prompt_token_ids=[1, 2],
+                    response_logprobs=[-0.5],
+                )
+            )
+        )
         self.model.span(r, a, self.clock.now, self.store.session_id)
 
     @precondition(lambda self: self.has_attempts())
-    @rule(index=st.integers(0, 1000), older=st.booleans(),
-          status=st.sampled_from(["succeeded", "failed", "timeout", "unresponsive", "running"]))
+    @rule(
+        index=st.integers(0, 1000),
+        older=st.booleans(),
+        status=st.sampled_from(["succeeded", "failed", "timeout", "unresponsive", "running"]),
+    )
     def update_attempt(self, index: int, older: bool, status: str) -> None:
         r = self.pick_attempted(index)
         a = r.attempts[0] if older else r.attempts[-1]
@@ -298,8 +324,9 @@ class StoreMachine(RuleBasedStateMachine):
             assert r.status == m.status, (r.rollout_id, r.status, m.status)
             assert (r.end_time is not None) == (m.status in TERMINAL)
             attempts = self.run(store.query_attempts(r.rollout_id))
-            assert [(a.attempt_id, a.status, a.session_id, "harness_ended" in (a.metadata or {})) for a in attempts] == [
-                (a.attempt_id, a.status, a.owner, a.harness_ended) for a in m.attempts]
+            assert [
+                (a.attempt_id, a.status, a.session_id, "harness_ended" in (a.metadata or {})) for a in attempts
+            ] == [(a.attempt_id, a.status, a.owner, a.harness_ended) for a in m.attempts]
         queued = self.run(store.query_rollouts(status=["queuing", "requeuing"]))
         assert sorted(r.rollout_id for r in queued) == sorted(self.model.queue)
 

@@ -1,4 +1,5 @@
 """Sweeps: deterministic dirs, the end-of-sweep summary, failure isolation and resume (Hydra multirun)."""
+
 import csv
 import json
 import os
@@ -19,7 +20,10 @@ def test_the_same_command_gives_the_same_dirs():
     assert a == b and a.startswith("hello_grpo_")
     assert sweep_id(["task=hello", "algo=grpo", "algo.lr=1e-5"]) != a
     assert command_overrides(["-m", "b=1", "+a=2", "hydra/launcher=joblib", "resume=x"]) == ["+a=2", "b=1"]
-    assert job_dir_name("algo.lr-1e-05+model.adapter-runs/a/b+task.agent-m\\:f") == "algo.lr-1e-05+model.adapter-runs_a_b+task.agent-m_f"
+    assert (
+        job_dir_name("algo.lr-1e-05+model.adapter-runs/a/b+task.agent-m\\:f")
+        == "algo.lr-1e-05+model.adapter-runs_a_b+task.agent-m_f"
+    )
     long = job_dir_name("x=" + "y" * 300)
     assert len(long) < 200 and long != job_dir_name("x=" + "y" * 299)
     assert job_dir_name("") == "defaults"
@@ -37,11 +41,19 @@ def _job(sweep, name, overrides, status, metrics=None, **fields):
 
 def test_summary_table_csv_and_plot(tmp_path):
     common = ["task=hello", "algo=grpo"]
-    _job(tmp_path, "a", common + ["algo.lr=0.01"], "succeeded", duration_s=12.5, metrics=[
-        {"step": -1, "eval/reward": 0.1, "eval/n": 8.0, "eval/says_identity": 0.0},
-        {"step": 0, "reward_mean": 0.2}, {"step": 1, "reward_mean": 0.6, "eval/reward": 0.7, "eval/says_identity": 0.5},
-        {"step": 2, "reward_mean": 0.4, "eval/reward": 0.5, "eval/says_identity": 0.25},
-    ])
+    _job(
+        tmp_path,
+        "a",
+        common + ["algo.lr=0.01"],
+        "succeeded",
+        duration_s=12.5,
+        metrics=[
+            {"step": -1, "eval/reward": 0.1, "eval/n": 8.0, "eval/says_identity": 0.0},
+            {"step": 0, "reward_mean": 0.2},
+            {"step": 1, "reward_mean": 0.6, "eval/reward": 0.7, "eval/says_identity": 0.5},
+            {"step": 2, "reward_mean": 0.4, "eval/reward": 0.5, "eval/says_identity": 0.25},
+        ],
+    )
     _job(tmp_path, "b", common + ["algo.lr=0.02"], "failed", error="ConfigError: cannot import 'x:y'\nmore")
     _job(tmp_path, "c", common + ["algo.lr=0.03"], "running", pid=2**22 + 12345)  # killed: its process is gone
     summary = write_sweep_summary(tmp_path, echo=False)
@@ -65,8 +77,20 @@ def test_summary_table_csv_and_plot(tmp_path):
 
 def _sweep(cwd, pythonpath):
     args = [
-        sys.executable, str(ROOT / "harness.py"), "-m", "model=tiny", "task=hello", "algo=grpo", "progress=false", "runner.n=4",
-        "algo.steps=2", "algo.batch_size=2", "algo.group_size=2", "algo.eval_every=0", "task.max_tokens=4", "task.eval_size=2",
+        sys.executable,
+        str(ROOT / "harness.py"),
+        "-m",
+        "model=tiny",
+        "task=hello",
+        "algo=grpo",
+        "progress=false",
+        "runner.n=4",
+        "algo.steps=2",
+        "algo.batch_size=2",
+        "algo.group_size=2",
+        "algo.eval_every=0",
+        "task.max_tokens=4",
+        "task.eval_size=2",
         "task.agent=tasks.hello.agent:hello_agent,late_agent:hello_agent",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(pythonpath)}
@@ -93,7 +117,11 @@ def test_multirun_isolates_a_failing_job_and_rerunning_resumes_or_skips(tmp_path
     good, bad = sorted((d for d in sweep.iterdir() if d.is_dir()), key=lambda d: "late_agent" in d.name)
     assert json.loads((good / "status.json").read_text())["status"] == "succeeded"
     failed = json.loads((bad / "status.json").read_text())
-    assert failed["status"] == "failed" and "late_agent" in failed["error"] and "Traceback" in (bad / "error.log").read_text()
+    assert (
+        failed["status"] == "failed"
+        and "late_agent" in failed["error"]
+        and "Traceback" in (bad / "error.log").read_text()
+    )
     md = (sweep / "summary.md").read_text()
     assert "2 jobs: 1 failed, 1 succeeded" in md and "No module named 'late_agent'" in md
     assert len(list(csv.DictReader(open(sweep / "summary.csv")))) == 2
@@ -122,9 +150,21 @@ def test_multirun_isolates_a_failing_job_and_rerunning_resumes_or_skips(tmp_path
 
     # 4. report=<sweep dir> rewrites the summary from the files
     (sweep / "summary.md").unlink()
-    report = subprocess.run([sys.executable, str(ROOT / "harness.py"), f"report={sweep}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    report = subprocess.run(
+        [sys.executable, str(ROOT / "harness.py"), f"report={sweep}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert report.returncode == 0, report.stderr
     assert "2 jobs: 2 succeeded" in report.stdout and (sweep / "summary.md").is_file()
-    report = subprocess.run([sys.executable, str(ROOT / "harness.py"), f"report={good}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    report = subprocess.run(
+        [sys.executable, str(ROOT / "harness.py"), f"report={good}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert report.returncode == 0, report.stderr  # a job dir needs no quoting on the command line
     assert "## best step" in report.stdout and "2 of 2 done" in report.stdout

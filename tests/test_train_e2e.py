@@ -1,4 +1,5 @@
 """End to end on the tiny model: real store, real HTTP route, real runners, real GRPO update."""
+
 import asyncio
 import json
 import os
@@ -20,9 +21,19 @@ from agl.train.samples import spans_to_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = [
-    "model=tiny", "algo=grpo", "progress=false", "runner.n=8", "task=hello",
-    "task.agent=e2e_agents:multi_turn_agent", "task.data=e2e_agents:load", "task.max_tokens=6", "+task.resources.max_turns=3",
-    "algo.batch_size=2", "algo.group_size=4", "algo.micro_batch_size=4", "algo.lr=1e-2",
+    "model=tiny",
+    "algo=grpo",
+    "progress=false",
+    "runner.n=8",
+    "task=hello",
+    "task.agent=e2e_agents:multi_turn_agent",
+    "task.data=e2e_agents:load",
+    "task.max_tokens=6",
+    "+task.resources.max_turns=3",
+    "algo.batch_size=2",
+    "algo.group_size=4",
+    "algo.micro_batch_size=4",
+    "algo.lr=1e-2",
 ]
 
 
@@ -53,7 +64,9 @@ async def test_grpo_steps_through_the_route_change_the_lora(tmp_path):
             [sample] = spans_to_samples(spans, group="g")
             assert sample.num_sampled == sum(len(c.response_token_ids) for c in calls)
             assert len(calls) == 3 and sum(sample.mask) < len(sample.mask)  # user turns masked out
-            assert sample.prompt_ids + sample.completion_ids == calls[-1].prompt_token_ids + calls[-1].response_token_ids
+            assert (
+                sample.prompt_ids + sample.completion_ids == calls[-1].prompt_token_ids + calls[-1].response_token_ids
+            )
     assert (tmp_path / "adapter" / "adapter_config.json").is_file()
     assert (tmp_path / "curves.png").is_file()
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -67,7 +80,9 @@ def test_kill_and_resume_continues_at_the_last_committed_step(tmp_path):
     run_dir = tmp_path / "run"
     args = [sys.executable, "harness.py", *TINY_RUN, "algo.steps=4", "algo.eval_every=0", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "tests")}
-    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
     store_path = run_dir / "store.sqlite"
     deadline = time.time() + 240
     # wait until step 1 is committed and step 2's rollouts are under way, then kill
@@ -84,7 +99,14 @@ def test_kill_and_resume_continues_at_the_last_committed_step(tmp_path):
     committed = _checkpoint_steps(store_path)
     rollouts_before = _rollout_ids(store_path)
 
-    resumed = subprocess.run([sys.executable, "harness.py", f"resume={run_dir}"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        [sys.executable, "harness.py", f"resume={run_dir}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert _checkpoint_steps(store_path) == {0, 1, 2, 3}
     versions = asyncio.run(_policy_versions(store_path))

@@ -3,6 +3,7 @@
 Everything goes through the real store, route and runners. The tiny model's text is noise, so
 the agents score something noise varies in (vowels) or something the prompt decides.
 """
+
 import asyncio
 import json
 import os
@@ -29,7 +30,13 @@ from agl.train.sft import SFTTrainer, render_demonstration
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ROOT / "tests"
 TINY = ["model=tiny", "progress=false", "runner.n=8", "task.max_tokens=6"]
-VOWELS = TINY + ["task=hello", "task.agent=e2e_agents:multi_turn_agent", "task.data=e2e_agents:load", "+task.resources.max_turns=2", "task.eval_size=6"]
+VOWELS = TINY + [
+    "task=hello",
+    "task.agent=e2e_agents:multi_turn_agent",
+    "task.data=e2e_agents:load",
+    "+task.resources.max_turns=2",
+    "task.eval_size=6",
+]
 
 
 def compose_cfg(overrides):
@@ -49,8 +56,19 @@ def metrics_lines(run_dir):
 def grpo_run(tmp_path_factory):
     """Two GRPO steps with a greedy eval before and after (the end of training), on 8 tasks."""
     run_dir = tmp_path_factory.mktemp("grpo")
-    cfg = compose_cfg(VOWELS + ["algo=grpo", "algo.steps=2", "algo.batch_size=2", "algo.group_size=4", "algo.micro_batch_size=4", "algo.lr=3e-2", "algo.eval_every=0",
-                                "task.final_eval_size=8"])  # the baseline and final evals cover 8 tasks, eval/ the first 6
+    cfg = compose_cfg(
+        VOWELS
+        + [
+            "algo=grpo",
+            "algo.steps=2",
+            "algo.batch_size=2",
+            "algo.group_size=4",
+            "algo.micro_batch_size=4",
+            "algo.lr=3e-2",
+            "algo.eval_every=0",
+            "task.final_eval_size=8",
+        ]
+    )  # the baseline and final evals cover 8 tasks, eval/ the first 6
     asyncio.run(train(to_typed(cfg), run_dir))
     return run_dir
 
@@ -102,7 +120,9 @@ async def _replies(run_dir, **tag):
 
 
 async def test_eval_pass_at_k_samples_k_tries_per_task(tmp_path):
-    cfg = compose_cfg(VOWELS + ["algo=eval", "algo.size=3", "algo.k=2", "algo.temperature=1.0", "algo.pass_threshold=0.3"])
+    cfg = compose_cfg(
+        VOWELS + ["algo=eval", "algo.size=3", "algo.k=2", "algo.temperature=1.0", "algo.pass_threshold=0.3"]
+    )
     result = await run_eval(cfg, tmp_path)
     assert result["summary"]["n"] == 6 and "pass@2" in result["summary"]
     assert sorted(r["try"] for r in [*map(lambda r: r.metadata, await _rollouts(tmp_path))]) == [0, 0, 0, 1, 1, 1]
@@ -120,17 +140,26 @@ async def _rollouts(run_dir):
 
 def test_confidence_intervals():
     mean, lo, hi = mean_ci([0.0, 1.0] * 8)
-    assert mean == 0.5 and lo == pytest.approx(0.5 - 1.96 * (16 / 15 * 0.25 / 16) ** 0.5) and hi == pytest.approx(1 - lo)
+    assert (
+        mean == 0.5 and lo == pytest.approx(0.5 - 1.96 * (16 / 15 * 0.25 / 16) ** 0.5) and hi == pytest.approx(1 - lo)
+    )
     assert mean_ci([0.3]) == (0.3, 0.3, 0.3) and mean_ci([1.0] * 5)[1:] == (1.0, 1.0)
     b_lo, b_hi = bootstrap_ci([0.0, 1.0] * 8, seed=1)
     assert 0.2 < b_lo < 0.5 < b_hi < 0.8 and bootstrap_ci([0.0, 1.0] * 8, seed=1) == (b_lo, b_hi)
 
 
 async def test_prompt_search_ranks_the_marked_template_first(tmp_path):
-    cfg = compose_cfg(TINY + [
-        "task=hello", "task.agent=workflow_agents:marker_agent", "algo=prompt_search", "algo.size=8",
-        "+task.prompts.marked='[BEST] {question}'", "algo.candidates=[plain,marked]",
-    ])
+    cfg = compose_cfg(
+        TINY
+        + [
+            "task=hello",
+            "task.agent=workflow_agents:marker_agent",
+            "algo=prompt_search",
+            "algo.size=8",
+            "+task.prompts.marked='[BEST] {question}'",
+            "algo.candidates=[plain,marked]",
+        ]
+    )
     result = await run_prompt_search(cfg, tmp_path)
     first, second = result["ranking"]
     assert result["best"] == "marked" and first["prompt"] == "marked" and second["prompt"] == "plain"
@@ -153,10 +182,14 @@ def test_sft_mask_covers_assistant_content_and_end_of_turn(tiny_model_cfg):
     ids, mask = render_demonstration(policy, messages)
     learned = [t for t, m in zip(ids, mask) if m]
     assert policy.tokenizer.decode(learned) == "I am Lightning.<|im_end|>"
-    assert ids[: len(policy.render_chat(messages[:1]))] == policy.render_chat(messages[:1])  # the prompt the route renders
+    assert ids[: len(policy.render_chat(messages[:1]))] == policy.render_chat(
+        messages[:1]
+    )  # the prompt the route renders
     two_turns = messages + [{"role": "user", "content": "Again?"}, {"role": "assistant", "content": "Lightning."}]
     ids, mask = render_demonstration(policy, two_turns)
-    assert policy.tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "I am Lightning.<|im_end|>Lightning.<|im_end|>"
+    assert (
+        policy.tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "I am Lightning.<|im_end|>Lightning.<|im_end|>"
+    )
 
 
 def test_sft_loss_through_the_fused_head_equals_the_full_logits_nll(tiny_model_cfg, monkeypatch):
@@ -166,8 +199,10 @@ def test_sft_loss_through_the_fused_head_equals_the_full_logits_nll(tiny_model_c
     from agl.train.sft import sft_loss_and_backward
 
     policy = load_policy(tiny_model_cfg, "cpu")
-    chats = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-             for q, a in [("Who are you?", "I am Lightning."), ("Name?", "Lightning, and a long answer to pad the batch.")]]
+    chats = [
+        [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        for q, a in [("Who are you?", "I am Lightning."), ("Name?", "Lightning, and a long answer to pad the batch.")]
+    ]
     examples = [render_demonstration(policy, chat) for chat in chats]
 
     def loss_and_grads():
@@ -185,7 +220,18 @@ def test_sft_loss_through_the_fused_head_equals_the_full_logits_nll(tiny_model_c
 
 
 async def test_sft_learns_checkpoints_and_its_adapter_is_picked_up_by_later_runs(tmp_path):
-    cfg = compose_cfg(TINY + ["task=hello", "task.eval_size=2", "algo=sft", "algo.steps=4", "algo.batch_size=4", "algo.micro_batch_size=2", "algo.lr=1e-2"])
+    cfg = compose_cfg(
+        TINY
+        + [
+            "task=hello",
+            "task.eval_size=2",
+            "algo=sft",
+            "algo.steps=4",
+            "algo.batch_size=4",
+            "algo.micro_batch_size=2",
+            "algo.lr=1e-2",
+        ]
+    )
     async with Runtime.of(to_typed(cfg), tmp_path) as rt:
         trainer = SFTTrainer(rt, to_typed(cfg).algo)
         result = await trainer.train()
@@ -206,13 +252,34 @@ async def test_sft_learns_checkpoints_and_its_adapter_is_picked_up_by_later_runs
 
 async def test_grpo_with_an_sft_warm_up_is_one_job_in_one_store(tmp_path):
     """algo.warmup.steps=W: SFT steps 0..W-1 on the demonstrations, an eval when they end, then GRPO."""
-    cfg = compose_cfg(TINY + ["task=hello", "task.eval_size=2", "algo=grpo", "algo.steps=2", "algo.batch_size=2", "algo.group_size=2",
-                              "algo.micro_batch_size=4", "algo.eval_every=0", "algo.warmup.steps=3", "algo.warmup.batch_size=4",
-                              "algo.warmup.micro_batch_size=2", "algo.warmup.lr=1e-2"])
+    cfg = compose_cfg(
+        TINY
+        + [
+            "task=hello",
+            "task.eval_size=2",
+            "algo=grpo",
+            "algo.steps=2",
+            "algo.batch_size=2",
+            "algo.group_size=2",
+            "algo.micro_batch_size=4",
+            "algo.eval_every=0",
+            "algo.warmup.steps=3",
+            "algo.warmup.batch_size=4",
+            "algo.warmup.micro_batch_size=2",
+            "algo.warmup.lr=1e-2",
+        ]
+    )
     result = await train(to_typed(cfg), tmp_path)
     assert result["steps"] == 5
     lines = metrics_lines(tmp_path)
-    assert [(line["step"], line.get("stage")) for line in lines] == [(-1, None), (0, "sft"), (1, "sft"), (2, "sft"), (3, "grpo"), (4, "grpo")]
+    assert [(line["step"], line.get("stage")) for line in lines] == [
+        (-1, None),
+        (0, "sft"),
+        (1, "sft"),
+        (2, "sft"),
+        (3, "grpo"),
+        (4, "grpo"),
+    ]
     assert all("sft_loss" in line and "reward_mean" not in line for line in lines[1:4])
     assert all("reward_mean" in line and "sft_loss" not in line for line in lines[4:])
     assert [line["step"] for line in lines if "eval/reward" in line] == [-1, 2, 4]  # base, after the warm-up, the end
@@ -233,8 +300,15 @@ def test_report_reads_a_run_without_loading_a_model(grpo_run):
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    for section in ("## run", "## best step", "## reward and accuracy by step", "## change against the base model",
-                    "## samples: the same eval tasks before and after training", "## slowest rollouts", "## failures by error"):
+    for section in (
+        "## run",
+        "## best step",
+        "## reward and accuracy by step",
+        "## change against the base model",
+        "## samples: the same eval tasks before and after training",
+        "## slowest rollouts",
+        "## failures by error",
+    ):
         assert section in out, out
     assert out.count("before training (reward") == 5 and out.count("after 2 updates (reward") == 5
     assert "TORCH_LOADED False" in out
@@ -248,20 +322,35 @@ def test_readme_custom_task_runs_through_task_custom(tmp_path):
     readme = (ROOT / "README.md").read_text()
     agent = (TESTS / "my_agent.py").read_text()
     data = (TESTS / "capitals.jsonl").read_text()
-    assert agent.strip() in readme and data.strip() in readme, "README and tests/my_agent.py, tests/capitals.jsonl differ"
+    assert agent.strip() in readme and data.strip() in readme, (
+        "README and tests/my_agent.py, tests/capitals.jsonl differ"
+    )
     shutil.copy(TESTS / "my_agent.py", tmp_path / "my_agent.py")
     shutil.copy(TESTS / "capitals.jsonl", tmp_path / "capitals.jsonl")
     run_dir = tmp_path / "run"
     args = [
-        sys.executable, str(ROOT / "harness.py"), "task=custom", "task.agent=my_agent:my_agent", "task.data=capitals.jsonl", "algo=grpo",
-        "model=tiny", "progress=false", "algo.steps=1", "algo.batch_size=2", "algo.group_size=2", "task.max_tokens=4", "task.eval_size=2",
+        sys.executable,
+        str(ROOT / "harness.py"),
+        "task=custom",
+        "task.agent=my_agent:my_agent",
+        "task.data=capitals.jsonl",
+        "algo=grpo",
+        "model=tiny",
+        "progress=false",
+        "algo.steps=1",
+        "algo.batch_size=2",
+        "algo.group_size=2",
+        "task.max_tokens=4",
+        "task.eval_size=2",
         f"hydra.run.dir={run_dir}",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     lines = metrics_lines(run_dir)
-    assert [line["step"] for line in lines] == [-1, 0] and lines[-1]["rollouts"] == 4 and lines[-1]["rollouts_failed"] == 0
+    assert (
+        [line["step"] for line in lines] == [-1, 0] and lines[-1]["rollouts"] == 4 and lines[-1]["rollouts_failed"] == 0
+    )
     assert "eval/short" in lines[-1]  # the agent's emit_metric reached the eval table
     assert json.loads((run_dir / "status.json").read_text())["status"] == "succeeded"
 
@@ -276,8 +365,16 @@ async def test_the_agents_cyclic_garbage_is_collected_every_few_rollouts(tmp_pat
 
     import e2e_agents
 
-    cfg = compose_cfg(TINY + ["task=hello", "task.agent=e2e_agents:client_per_rollout_agent", "task.data=e2e_agents:load",
-                              "runner.n=2", f"runner.collect_every={collect_every}"])
+    cfg = compose_cfg(
+        TINY
+        + [
+            "task=hello",
+            "task.agent=e2e_agents:client_per_rollout_agent",
+            "task.data=e2e_agents:load",
+            "runner.n=2",
+            f"runner.collect_every={collect_every}",
+        ]
+    )
     e2e_agents.CLIENTS.clear()
     gc.collect()
     gc.disable()
@@ -285,7 +382,9 @@ async def test_the_agents_cyclic_garbage_is_collected_every_few_rollouts(tmp_pat
         async with Runtime.of(to_typed(cfg), tmp_path) as rt:
             rows = rt.task.load("test")[:4]
             resources_id = await rt.resources_id(rt.task.resources_for(cfg.task.prompt))
-            rollouts = await rt.run_rollouts(rows, [{"task_id": r["id"]} for r in rows], mode="val", resources_id=resources_id)
+            rollouts = await rt.run_rollouts(
+                rows, [{"task_id": r["id"]} for r in rows], mode="val", resources_id=resources_id
+            )
             alive = [ref for ref in e2e_agents.CLIENTS if ref() is not None]
     finally:
         gc.enable()
@@ -296,11 +395,15 @@ async def test_the_agents_cyclic_garbage_is_collected_every_few_rollouts(tmp_pat
 async def test_an_async_agent_that_blocks_slows_only_itself(tmp_path, caplog):
     """A sync openai client inside an async agent used to freeze the route (same event loop):
     the agent's own request could not be answered and timed out. Now it runs, with a warning."""
-    cfg = compose_cfg(TINY + ["task=hello", "task.agent=e2e_agents:blocking_async_agent", "task.data=e2e_agents:load", "runner.n=4"])
+    cfg = compose_cfg(
+        TINY + ["task=hello", "task.agent=e2e_agents:blocking_async_agent", "task.data=e2e_agents:load", "runner.n=4"]
+    )
     async with Runtime.of(to_typed(cfg), tmp_path) as rt:
         rows = rt.task.load("test")[:4]
         resources_id = await rt.resources_id(rt.task.resources_for(cfg.task.prompt))
-        rollouts = await rt.run_rollouts(rows, [{"task_id": r["id"]} for r in rows], mode="val", resources_id=resources_id)
+        rollouts = await rt.run_rollouts(
+            rows, [{"task_id": r["id"]} for r in rows], mode="val", resources_id=resources_id
+        )
         assert [r.status for r in rollouts] == ["succeeded"] * 4
         for rollout in rollouts:
             assert [s.name for s in await rt.store.query_spans(rollout.rollout_id, "latest")] == ["llm.chat", "reward"]
@@ -315,9 +418,15 @@ def test_sft_checkpointing_and_token_budgets_keep_the_loss_and_gradients(tiny_mo
     from agl.train.sft import sft_loss_and_backward
 
     policy = load_policy(tiny_model_cfg, "cpu")
-    chats = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}]
-             for q, a in [("Who are you?", "I am Lightning."), ("Name?", "Lightning, and a long answer to pad the batch."),
-                          ("Why?", "Because."), ("How long is this answer going to be, then?", "Quite long: " + "more " * 12)]]
+    chats = [
+        [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+        for q, a in [
+            ("Who are you?", "I am Lightning."),
+            ("Name?", "Lightning, and a long answer to pad the batch."),
+            ("Why?", "Because."),
+            ("How long is this answer going to be, then?", "Quite long: " + "more " * 12),
+        ]
+    ]
     examples = [render_demonstration(policy, chat) for chat in chats]
     if "micro_batch_tokens" in change:
         assert len(sft_micro_batches([len(ids) for ids, _ in examples], 4, change["micro_batch_tokens"])) > 1

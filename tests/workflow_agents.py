@@ -1,4 +1,5 @@
 """Agents for the research-workflow tests (tiny random model), written as a user would write them."""
+
 import openai
 
 import agl

@@ -10,6 +10,7 @@ An agent is a plain function, sync or async::
 A returned float is the rollout's final reward; ``emit_reward(value)`` records rewards during
 the rollout (the last one counts when nothing is returned). An exception fails the attempt.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -55,7 +56,16 @@ class RolloutContext:
 
     def record(self, name: str, attributes: dict) -> Awaitable[Span]:
         now = time.time()
-        return self.store.add_span(Span(rollout_id=self.rollout_id, attempt_id=self.attempt_id, name=name, start_time=now, end_time=now, attributes=attributes))
+        return self.store.add_span(
+            Span(
+                rollout_id=self.rollout_id,
+                attempt_id=self.attempt_id,
+                name=name,
+                start_time=now,
+                end_time=now,
+                attributes=attributes,
+            )
+        )
 
     def record_reward(self, value: float, final: bool = False) -> Awaitable[Span]:
         return self.record(REWARD_SPAN, {"reward": value, "final": final})
@@ -108,6 +118,7 @@ class _OwnLoop:
 
     def run(self, start: Callable[[], Awaitable[Any]]) -> Any:
         """Run ``start()``'s coroutine to the end on a new loop (made here: never left un-awaited)."""
+
         async def main() -> Any:
             with self._lock:
                 self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
@@ -138,7 +149,8 @@ async def _watched(coroutine: Awaitable[Any], name: str, period: float = 0.25) -
             log.warning(
                 "agent %s blocked its event loop for %.1f s: a blocking call inside an async agent "
                 "(a sync client, time.sleep, ...). It slows only this agent; use an async client or asyncio.to_thread.",
-                name, stalled,
+                name,
+                stalled,
             )
 
     async def tick() -> None:
@@ -163,7 +175,9 @@ def rollout(function: Callable) -> Callable:
 BLOCKED_WARNING_S = 1.0  # an async agent's loop stalled this long: say which agent, and why it matters
 
 
-async def call_agent(agent: Callable, context: RolloutContext, task: Any, llm: LLM, resources: dict, executor: Any = None) -> Any:
+async def call_agent(
+    agent: Callable, context: RolloutContext, task: Any, llm: LLM, resources: dict, executor: Any = None
+) -> Any:
     """Run the agent in a worker thread, with ``context`` current: a sync agent as it is, an async
     one on an event loop of its own in that thread.
 

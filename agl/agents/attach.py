@@ -32,6 +32,7 @@ WAL needs shared memory, so one machine and one local file; a store served over 
 agent-lightning's LightningStoreServer does, or Postgres would carry this across machines, the
 route being HTTP already), and runner hooks (the job's own runners have none either).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -54,8 +55,12 @@ POLL_S = 0.5  # how often an attached runner looks whether the run still runs
 def runner_entry(rollout_url: str, model: str, api_key: str, session: str, task: Any, default_sampling: dict) -> dict:
     """What a runner needs to join the run. ``rollout_url`` has ``{rollout_id}`` and ``{attempt_id}`` fields."""
     return {
-        "rollout_url": rollout_url, "model": model, "api_key": api_key, "session": session,
-        "task": plain(task), "default_sampling": default_sampling,
+        "rollout_url": rollout_url,
+        "model": model,
+        "api_key": api_key,
+        "session": session,
+        "task": plain(task),
+        "default_sampling": default_sampling,
     }
 
 
@@ -65,7 +70,9 @@ def runner_pool(n: int, store: SqliteStore, entry: dict, agent: Callable, **kwar
         n,
         store=store,
         agent=agent,
-        llm_endpoint=lambda rollout_id, attempt_id: entry["rollout_url"].format(rollout_id=rollout_id, attempt_id=attempt_id),
+        llm_endpoint=lambda rollout_id, attempt_id: entry["rollout_url"].format(
+            rollout_id=rollout_id, attempt_id=attempt_id
+        ),
         model_name=entry["model"],
         api_key=entry["api_key"],
         default_sampling=entry["default_sampling"],
@@ -118,7 +125,9 @@ async def attach(run: str | None, runner: RunnerConfig) -> dict:
             for s in (signal.SIGINT, signal.SIGTERM):  # a second signal ends the process at once
                 signal.signal(s, signal.SIG_DFL)
 
-        if threading.current_thread() is threading.main_thread():  # not so under agl.run in a notebook: no signals there
+        if (
+            threading.current_thread() is threading.main_thread()
+        ):  # not so under agl.run in a notebook: no signals there
             for s in (signal.SIGINT, signal.SIGTERM):
                 loop.add_signal_handler(s, on_signal, s)
         print(f"attached to {run_dir} as store session {store.session_id}: {runner.n} runners", flush=True)

@@ -12,6 +12,7 @@ what is left after ``grace_s``.
 Left out: restarting a process that died. Its attempts go back to the queue uncharged (R7) and the
 others carry on; a restart would hide an agent that crashes its process.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -38,10 +39,16 @@ class RunnerProcesses:
 
     async def start(self) -> None:
         for _ in range(self.n):
-            self.procs.append(await asyncio.create_subprocess_exec(
-                sys.executable, str(HARNESS), "algo=runner", f"attach={self.run_dir}", f"runner.n={self.runners_each}",
-                start_new_session=True,  # a Ctrl-C is the job's to handle: it withdraws its entry and they leave
-            ))
+            self.procs.append(
+                await asyncio.create_subprocess_exec(
+                    sys.executable,
+                    str(HARNESS),
+                    "algo=runner",
+                    f"attach={self.run_dir}",
+                    f"runner.n={self.runners_each}",
+                    start_new_session=True,  # a Ctrl-C is the job's to handle: it withdraws its entry and they leave
+                )
+            )
         self._watcher = asyncio.create_task(self._watch(), name="agl-runner-processes")
 
     async def _watch(self) -> None:
@@ -51,11 +58,19 @@ class RunnerProcesses:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             for finished in done:
                 proc = waits[finished]
-                log.warning("runner process %d exited with %s while the job ran; %d of %d left", proc.pid, proc.returncode, len(pending), self.n)
+                log.warning(
+                    "runner process %d exited with %s while the job ran; %d of %d left",
+                    proc.pid,
+                    proc.returncode,
+                    len(pending),
+                    self.n,
+                )
         codes = ", ".join(str(p.returncode) for p in self.procs)
-        self.on_all_exited(RunnerProcessesExited(
-            f"all {self.n} runner processes (runner.processes) exited while the job ran, with exit codes {codes}: see their output above"
-        ))
+        self.on_all_exited(
+            RunnerProcessesExited(
+                f"all {self.n} runner processes (runner.processes) exited while the job ran, with exit codes {codes}: see their output above"
+            )
+        )
 
     async def stop_watching(self) -> None:
         if self._watcher is not None:

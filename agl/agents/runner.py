@@ -24,6 +24,7 @@ Hooks have agent-lightning's names and order: ``on_rollout_start``, ``on_trace_s
 (agent runs), ``on_trace_end``, ``on_rollout_end``. ``on_rollout_end`` sees the attempt's
 spans and may return a float, which replaces the rollout's final reward.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -51,7 +52,9 @@ class Hook:
 
     def on_trace_end(self, *, agent: Any, runner: Runner, rollout: AttemptedRollout) -> Any: ...
 
-    def on_rollout_end(self, *, agent: Any, runner: Runner, rollout: AttemptedRollout, spans: list[Span]) -> float | None: ...
+    def on_rollout_end(
+        self, *, agent: Any, runner: Runner, rollout: AttemptedRollout, spans: list[Span]
+    ) -> float | None: ...
 
 
 async def _maybe_await(value: Any) -> Any:
@@ -121,7 +124,9 @@ class Runner:
             heartbeat.cancel()
         if self.route_alive is not None and not await self.route_alive():
             return None
-        await self.store.update_attempt(rollout.rollout_id, attempt.attempt_id, status=status, **({"metadata": metadata} if metadata else {}))
+        await self.store.update_attempt(
+            rollout.rollout_id, attempt.attempt_id, status=status, **({"metadata": metadata} if metadata else {})
+        )
         return status
 
     async def _run(self, rollout: AttemptedRollout) -> None:
@@ -142,7 +147,9 @@ class Runner:
         if self.hooks:
             spans = await self.store.query_spans(rollout.rollout_id, attempt.attempt_id)
             for hook in self.hooks:
-                adjusted = await _maybe_await(hook.on_rollout_end(agent=self.agent, runner=self, rollout=rollout, spans=spans))
+                adjusted = await _maybe_await(
+                    hook.on_rollout_end(agent=self.agent, runner=self, rollout=rollout, spans=spans)
+                )
                 if adjusted is not None:
                     final = float(adjusted)
         if final is not None:
@@ -164,7 +171,9 @@ class Runner:
         with contextlib.suppress(asyncio.CancelledError):
             while True:
                 await asyncio.sleep(self.heartbeat_interval)
-                await self.store.update_attempt(rollout.rollout_id, rollout.attempt.attempt_id, last_heartbeat_time=time.time())
+                await self.store.update_attempt(
+                    rollout.rollout_id, rollout.attempt.attempt_id, last_heartbeat_time=time.time()
+                )
 
 
 class RunnerPool:

@@ -5,6 +5,7 @@ either ``module:function`` (called with a split name) or a ``.jsonl`` path (one 
 every split, or a mapping split -> path). Resources are the agent's keyword arguments; the
 prompt template under test is one of them (``prompt_template``).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -99,7 +100,9 @@ def load_task(task: Any) -> Task:
     task = typed(TaskConfig, task)
     for key in ("agent", "data"):
         if _missing(task, key):
-            raise ConfigError(f"task.{key} is required for task '{task.name}': e.g. task.agent=my_module:my_agent task.data=my_data.jsonl")
+            raise ConfigError(
+                f"task.{key} is required for task '{task.name}': e.g. task.agent=my_module:my_agent task.data=my_data.jsonl"
+            )
     data = _plain(task.data)
     if isinstance(data, dict) or str(data).endswith(".jsonl"):
         load = jsonl_loader(data)

@@ -2,6 +2,7 @@
 
 ``from agl.config import GRPOConfig, typed`` is the way in: this package re-exports both modules' names.
 """
+
 from agl.config.command_line import check_command_line, compose_checked, extra_keys
 from agl.config.schema import (
     ALGO_SCHEMAS,
@@ -36,8 +37,36 @@ from agl.config.schema import (
 )
 
 __all__ = [
-    "ALGO_SCHEMAS", "DEFAULT_PROMPTS", "NO_API_KEY", "SCHEMA_NAMES", "SCHEMAS", "Config", "CustomConfig", "EngineConfig",
-    "EvalConfig", "ExportConfig", "GRPOConfig", "InfoConfig", "LoraConfig", "ModelConfig", "PromptSearchConfig",
-    "RunnerConfig", "RunnerJobConfig", "ServeConfig", "ServerConfig", "SFTConfig", "TaskConfig", "TinyConfig",
-    "check_command_line", "client_api_key", "compose_checked", "config_record", "plain", "to_typed", "extra_keys", "register_configs", "typed", "with_schema",
+    "ALGO_SCHEMAS",
+    "DEFAULT_PROMPTS",
+    "NO_API_KEY",
+    "SCHEMA_NAMES",
+    "SCHEMAS",
+    "Config",
+    "CustomConfig",
+    "EngineConfig",
+    "EvalConfig",
+    "ExportConfig",
+    "GRPOConfig",
+    "InfoConfig",
+    "LoraConfig",
+    "ModelConfig",
+    "PromptSearchConfig",
+    "RunnerConfig",
+    "RunnerJobConfig",
+    "ServeConfig",
+    "ServerConfig",
+    "SFTConfig",
+    "TaskConfig",
+    "TinyConfig",
+    "check_command_line",
+    "client_api_key",
+    "compose_checked",
+    "config_record",
+    "plain",
+    "to_typed",
+    "extra_keys",
+    "register_configs",
+    "typed",
+    "with_schema",
 ]

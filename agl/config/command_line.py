@@ -1,5 +1,6 @@
 """Checking a command line before Hydra runs it: a mistyped or ill-typed key is one ``error:`` line naming
 it, not Hydra's paragraph (``harness.py`` calls ``check_command_line``)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -41,7 +42,14 @@ def compose_checked(conf_dir: str, overrides: list[str]) -> DictConfig:
         cause = error.__cause__
         if not isinstance(cause, OmegaConfBaseException) or not getattr(cause, "full_key", None):
             raise
-        where = next((w for w in (getattr(cause, "object_type_str", None), getattr(cause, "ref_type_str", None)) if w in SCHEMA_NAMES), None)
+        where = next(
+            (
+                w
+                for w in (getattr(cause, "object_type_str", None), getattr(cause, "ref_type_str", None))
+                if w in SCHEMA_NAMES
+            ),
+            None,
+        )
         first = str(getattr(cause, "msg", cause)).splitlines()[0]
         if isinstance(cause, (KeyError, AttributeError)) and where:
             message = f"{cause.full_key}: no such key in {where} (a typo? agl/config/schema.py lists its keys)"
@@ -75,7 +83,11 @@ def check_command_line(argv: list[str], conf_dir: str) -> None:
         elif not arg.startswith("hydra"):  # hydra.* and hydra/... are Hydra's own config
             arguments.append(arg)
     try:
-        jobs = [job for batch in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(arguments), None) for job in batch]
+        jobs = [
+            job
+            for batch in BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(arguments), None)
+            for job in batch
+        ]
     except HydraException:
         return
     for job in jobs[:64]:

@@ -14,6 +14,7 @@ Tasks are user-extensible: ``TaskConfig`` types the keys agl reads and keeps ``r
 
 No torch here: ``harness.py`` registers these before every job, ``report=`` included.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,14 +37,18 @@ NO_API_KEY = "agl"  # what clients send when server.api_key is null (the route t
 class RunnerConfig:
     """``runner.*``: asyncio workers that run the agent on dequeued rollouts (agl/agents/runner.py)."""
 
-    n: int = 32  # concurrent rollouts in the job's process (the engine batches their LLM calls); 0: runner processes only
+    n: int = (
+        32  # concurrent rollouts in the job's process (the engine batches their LLM calls); 0: runner processes only
+    )
     processes: int = 0  # runner processes the job starts (agl/agents/attach.py), for agents that hold the GIL or block
     per_process: int = 8  # concurrent rollouts in each runner process (its runner.n)
     timeout_seconds: int = 600  # per attempt, from its start
     unresponsive_seconds: int = 300
     max_attempts: int = 2
     retry_condition: list[str] = field(default_factory=lambda: ["failed", "timeout", "unresponsive"])
-    collect_every: int = 32  # finished rollouts between full garbage collections + malloc_trim (agl.memory.collect); 0: never
+    collect_every: int = (
+        32  # finished rollouts between full garbage collections + malloc_trim (agl.memory.collect); 0: never
+    )
 
 
 @dataclasses.dataclass
@@ -52,9 +57,15 @@ class EngineConfig:
 
     max_batch_size: int = 64  # sequences decoded together
     max_prefill_tokens: int = 8192
-    weights: str = "merged"  # merged: dense base+LoRA matrices, re-merged after each update | adapter: through the training model
-    batch_invariant: Any = "auto"  # auto (on when model.compute_dtype=float32) | true | false (agl.runtime.batch_invariant)
-    decode: str = "fast"  # fast: agl/policy/decode.py's step for Llama-family merged samplers | model: the model's forward
+    weights: str = (
+        "merged"  # merged: dense base+LoRA matrices, re-merged after each update | adapter: through the training model
+    )
+    batch_invariant: Any = (
+        "auto"  # auto (on when model.compute_dtype=float32) | true | false (agl.runtime.batch_invariant)
+    )
+    decode: str = (
+        "fast"  # fast: agl/policy/decode.py's step for Llama-family merged samplers | model: the model's forward
+    )
 
 
 @dataclasses.dataclass
@@ -104,7 +115,9 @@ class LoraConfig:
     r: int = 16
     alpha: int = 32
     dropout: float = 0.0
-    target_modules: Any = "all-linear"  # all-linear (every linear layer but the output projection) | a list of names | a regex
+    target_modules: Any = (
+        "all-linear"  # all-linear (every linear layer but the output projection) | a list of names | a regex
+    )
     # A LoRA (same r, alpha) on the vocabulary matrices too (README "LoRA on the vocabulary matrices").
     train_embeddings: bool = False
     train_head: bool = False
@@ -159,9 +172,13 @@ class TaskConfig:
     eval_size: int = 16  # the first N rows of eval_split; 0 = all
     final_eval_size: Optional[int] = None  # the baseline and final evals of algo=grpo: null = eval_size, 0 = all
     prompt: str = "default"
-    prompts: dict[str, Any] = field(default_factory=dict)  # templates the agent gets as prompt_template; empty: DEFAULT_PROMPTS
+    prompts: dict[str, Any] = field(
+        default_factory=dict
+    )  # templates the agent gets as prompt_template; empty: DEFAULT_PROMPTS
     resources: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments for the agent
-    recipe: dict[str, Any] = field(default_factory=dict)  # warmup_steps, steps, eval_every: algo=grpo's unless overridden
+    recipe: dict[str, Any] = field(
+        default_factory=dict
+    )  # warmup_steps, steps, eval_every: algo=grpo's unless overridden
 
 
 # ----------------------------------------------------------------------------- algo
@@ -177,7 +194,9 @@ class SFTConfig:
     epochs: Optional[float] = None  # if set, replaces steps: ceil(epochs * demonstrations / batch_size)
     batch_size: int = 8  # conversations per optimizer step
     micro_batch_size: int = 4  # conversations per forward/backward pass at most
-    micro_batch_tokens: Optional[int] = None  # tokens per pass at most, padding included (None: only micro_batch_size bounds them)
+    micro_batch_tokens: Optional[int] = (
+        None  # tokens per pass at most, padding included (None: only micro_batch_size bounds them)
+    )
     gradient_checkpointing: bool = True  # replay each decoder layer in backward instead of keeping its activations (agl/train/activation_checkpointing.py)
     lr: float = 2e-4  # GSM8K: 40 steps at 2e-4 take format 0 -> 0.79 (RESULTS.md)
     weight_decay: float = 0.0
@@ -208,8 +227,12 @@ class GRPOConfig:
     beta: float = 0.0  # KL weight against the base model (adapter off); 0 skips the reference pass
     num_iterations: int = 1  # mu: optimizer passes over each batch
     old_logprobs: str = "recorded"  # recorded (sampling-time, from spans) | recompute (trainer forward before step)
-    micro_batch_size: Optional[int] = None  # rows per forward/backward pass at most (None: only micro_batch_tokens bounds them)
-    micro_batch_tokens: Optional[int] = 2048  # tokens per pass at most, padding included (plan_micro_batches); None: no cap
+    micro_batch_size: Optional[int] = (
+        None  # rows per forward/backward pass at most (None: only micro_batch_tokens bounds them)
+    )
+    micro_batch_tokens: Optional[int] = (
+        2048  # tokens per pass at most, padding included (plan_micro_batches); None: no cap
+    )
     gradient_checkpointing: bool = True  # replay each decoder layer in backward instead of keeping its activations (agl/train/activation_checkpointing.py)
     max_grad_norm: float = 1.0
     mask_truncated: bool = False  # true: completions cut by max_tokens carry no loss
@@ -266,7 +289,9 @@ class CustomConfig:
 
     name: str = "custom"
     fn: Optional[str] = None  # required: module:function
-    args: dict[str, Any] = field(default_factory=dict)  # more keyword arguments for fn, e.g. +algo.args.tasks_per_prompt=8
+    args: dict[str, Any] = field(
+        default_factory=dict
+    )  # more keyword arguments for fn, e.g. +algo.args.tasks_per_prompt=8
     temperature: float = 0.0  # for rollouts whose metadata has no "sampling"; 0 = greedy
     top_p: float = 1.0
     max_tokens: int = 128  # the yaml: ${task.max_tokens}
@@ -286,7 +311,9 @@ class ExportConfig:
 
     name: str = "export"
     dtype: str = "float32"  # float32 | bfloat16 | float16: the exported weights (the merge itself is in float32)
-    out: Optional[str] = None  # where to write hf/ and model-<dtype>.gguf; None: export/ in the run dir. Must not hold files yet
+    out: Optional[str] = (
+        None  # where to write hf/ and model-<dtype>.gguf; None: export/ in the run dir. Must not hold files yet
+    )
     gguf: bool = True  # false: the HF dir only
 
 
@@ -305,8 +332,15 @@ class InfoConfig:
 
 
 ALGO_SCHEMAS: dict[str, type] = {
-    "grpo": GRPOConfig, "sft": SFTConfig, "eval": EvalConfig, "prompt_search": PromptSearchConfig,
-    "custom": CustomConfig, "serve": ServeConfig, "export": ExportConfig, "runner": RunnerJobConfig, "info": InfoConfig,
+    "grpo": GRPOConfig,
+    "sft": SFTConfig,
+    "eval": EvalConfig,
+    "prompt_search": PromptSearchConfig,
+    "custom": CustomConfig,
+    "serve": ServeConfig,
+    "export": ExportConfig,
+    "runner": RunnerJobConfig,
+    "info": InfoConfig,
 }
 
 SCHEMAS: dict[tuple[str | None, str], type] = {
@@ -317,7 +351,9 @@ SCHEMAS: dict[tuple[str | None, str], type] = {
 }
 
 
-SCHEMA_NAMES = {cls.__name__ for cls in (*SCHEMAS.values(), RunnerConfig, EngineConfig, ServerConfig, LoraConfig, TinyConfig)}
+SCHEMA_NAMES = {
+    cls.__name__ for cls in (*SCHEMAS.values(), RunnerConfig, EngineConfig, ServerConfig, LoraConfig, TinyConfig)
+}
 
 
 def register_configs() -> None:
@@ -355,7 +391,9 @@ def typed(schema: type, cfg: Any) -> Any:
     try:
         return OmegaConf.merge(OmegaConf.structured(schema), cfg)
     except OmegaConfBaseException as error:
-        raise ConfigError(f"{error.full_key or schema.__name__}: {str(getattr(error, 'msg', error)).splitlines()[0]} ({schema.__name__})") from None
+        raise ConfigError(
+            f"{error.full_key or schema.__name__}: {str(getattr(error, 'msg', error)).splitlines()[0]} ({schema.__name__})"
+        ) from None
 
 
 def _defaults(schema: type) -> DictConfig:

@@ -7,6 +7,7 @@ reported when each task is tried k times (a task passes when any try scores >= t
 periodic evals, ``algo=eval`` and (through ``evaluate_rows``) ``algo=prompt_search``.
 Statistics live in ``agl.eval.stats``, table formatting in ``agl.report.tables`` (neither loads torch).
 """
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -23,7 +24,11 @@ async def rollout_scores(store: Any, rollouts: Sequence[Rollout]) -> list[dict]:
     """One row per rollout: its status, final reward and metrics (from its latest attempt's spans)."""
     rows = []
     for rollout in rollouts:
-        row: dict[str, Any] = {"rollout_id": rollout.rollout_id, "status": str(rollout.status), "task_id": (rollout.metadata or {}).get("task_id")}
+        row: dict[str, Any] = {
+            "rollout_id": rollout.rollout_id,
+            "status": str(rollout.status),
+            "task_id": (rollout.metadata or {}).get("task_id"),
+        }
         if rollout.status == RolloutStatus.SUCCEEDED:
             spans = await store.query_spans(rollout.rollout_id, "latest")
             reward = final_reward(spans)
@@ -63,7 +68,9 @@ def summarize(rows: Sequence[dict], k: int = 1, pass_threshold: float = 1.0) -> 
 
 def score_names(rows: Sequence[dict]) -> list[str]:
     """The per-rollout scores of ``rows``: ``reward`` and every emitted metric."""
-    return ["reward"] + sorted({key for r in rows for key in r} - {"rollout_id", "status", "task_id", "reward", "completion_tokens"})
+    return ["reward"] + sorted(
+        {key for r in rows for key in r} - {"rollout_id", "status", "task_id", "reward", "completion_tokens"}
+    )
 
 
 def rate_intervals(rows: Sequence[dict]) -> dict[str, dict[str, float]]:
@@ -89,6 +96,7 @@ def paired_changes(before: Sequence[dict], after: Sequence[dict]) -> dict[str, d
 
 # ----------------------------------------------------------------------------- running an evaluation
 
+
 def split_rows(rows: list[dict], size: int | None, distinct: bool = False) -> list[dict]:
     """The first ``size`` rows (all when size is 0/None); ``distinct`` drops rows whose id repeats."""
     if distinct:
@@ -108,7 +116,6 @@ def sampling_of(algo: Any) -> dict:
     if algo.temperature > 0 and algo.top_p != 1.0:
         sampling["top_p"] = float(algo.top_p)
     return sampling
-
 
 
 async def evaluate_rows(
@@ -140,7 +147,9 @@ async def evaluate_rows(
     existing = await rt.store.query_rollouts(metadata=tag)
     if len(existing) != len(inputs):
         existing = []  # nothing (or something else) under this tag: enqueue afresh
-    rollouts = await rt.run_rollouts(inputs, metadata, mode=mode, resources_id=resources_id, existing=existing, desc=desc)
+    rollouts = await rt.run_rollouts(
+        inputs, metadata, mode=mode, resources_id=resources_id, existing=existing, desc=desc
+    )
     await check_rollouts(rt.store, rollouts, desc)  # all failed: the job fails, with the most common error
     return await rollout_scores(rt.store, rollouts)
 
@@ -164,7 +173,9 @@ async def evaluate(
 # ----------------------------------------------------------------------------- during training
 
 
-async def eval_during_training(rt: Any, rows: Sequence[dict], step: int, max_tokens: int, slice_size: int = 0) -> dict[str, float]:
+async def eval_during_training(
+    rt: Any, rows: Sequence[dict], step: int, max_tokens: int, slice_size: int = 0
+) -> dict[str, float]:
     """The GRPO and SFT trainers' greedy evaluation after ``step`` updates (replies of at most ``max_tokens``,
     the task's prompt), as ``eval/`` metrics.
 
@@ -181,8 +192,12 @@ async def eval_during_training(rt: Any, rows: Sequence[dict], step: int, max_tok
     if not rows:
         return {}
     scores = await evaluate_rows(
-        rt, rows, resources=rt.task.resources_for(rt.task_config.prompt),
-        sampling={"temperature": 0.0, "max_tokens": max_tokens}, tag={"eval_step": step}, desc=f"eval@{step}",
+        rt,
+        rows,
+        resources=rt.task.resources_for(rt.task_config.prompt),
+        sampling={"temperature": 0.0, "max_tokens": max_tokens},
+        tag={"eval_step": step},
+        desc=f"eval@{step}",
     )
     baseline = None
     if step != 0 and (rollouts := await rt.store.query_rollouts(metadata={"eval_step": 0})):

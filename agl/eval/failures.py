@@ -9,6 +9,7 @@ it logs how many and the most common error, and returns them for tables.
 The reason of a failed rollout is its latest attempt's ``metadata["error"]`` (set by
 ``agl.agents.runner.Runner`` from the agent's exception, or a timeout).
 """
+
 from __future__ import annotations
 
 import collections

@@ -7,6 +7,7 @@ where mean +- 1.96 s/sqrt(n) is not. Two evals of the same tasks (the base model
 trained one) are compared with McNemar's exact test: only the tasks on which they disagree
 carry information, and under "no change" each disagreement is a fair coin.
 """
+
 from __future__ import annotations
 
 import math
@@ -105,7 +106,9 @@ def mean_ci(values: Sequence[float], z: float = 1.96) -> tuple[float, float, flo
     return mean, mean - half, mean + half
 
 
-def bootstrap_ci(values: Sequence[float], resamples: int = 2000, level: float = 0.95, seed: int = 0) -> tuple[float, float]:
+def bootstrap_ci(
+    values: Sequence[float], resamples: int = 2000, level: float = 0.95, seed: int = 0
+) -> tuple[float, float]:
     """Percentile bootstrap interval of the mean: resample the values with replacement."""
     n = len(values)
     if n == 0:

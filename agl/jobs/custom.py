@@ -36,6 +36,7 @@ The contract:
 Left out: resuming. A resumed run calls the function again on the same store (the rollouts of the
 earlier call are there to read); only the function knows which of its work is done.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -61,7 +62,12 @@ PROVIDED: dict[str, Callable[[Runtime], Any]] = {
     "rows": lambda rt: rt.task.load(rt.task_config.train_split),
     "eval_rows": lambda rt: split_rows(rt.task.load(rt.task_config.eval_split), rt.task_config.eval_size),
     "cfg": lambda rt: rt.config,
-    "llm": lambda rt: LLM(base_url=rt.server.base_url, model=rt.policy.name, api_key=client_api_key(rt.server_config), sampling_parameters=sampling_of(rt.config.algo)),
+    "llm": lambda rt: LLM(
+        base_url=rt.server.base_url,
+        model=rt.policy.name,
+        api_key=client_api_key(rt.server_config),
+        sampling_parameters=sampling_of(rt.config.algo),
+    ),
     "runtime": lambda rt: rt,
     "run_dir": lambda rt: rt.run_dir,
 }
@@ -71,11 +77,17 @@ def load_algorithm(algo: Any) -> tuple[Callable, list[str]]:
     """``algo.fn`` -> the function and the names in ``PROVIDED`` it takes (see the module docstring)."""
     algo = typed(CustomConfig, algo)
     if not algo.fn:
-        raise ConfigError("algo=custom needs algo.fn=module:function, an async function (see README \"Your own algorithm\")")
+        raise ConfigError(
+            'algo=custom needs algo.fn=module:function, an async function (see README "Your own algorithm")'
+        )
     spec = str(algo.fn)
     fn = import_object(spec)
     if not inspect.iscoroutinefunction(fn):
-        what = "it is not async (define it with async def)" if callable(fn) else f"it is a {type(fn).__name__}, not a function"
+        what = (
+            "it is not async (define it with async def)"
+            if callable(fn)
+            else f"it is a {type(fn).__name__}, not a function"
+        )
         raise ConfigError(f"algo.fn '{spec}' must be an async function: {what}")
     args = list(algo.args)
     if taken := [a for a in args if a in PROVIDED]:
@@ -83,10 +95,16 @@ def load_algorithm(algo: Any) -> tuple[Callable, list[str]]:
     params = inspect.signature(fn).parameters
     takes_all = any(p.kind is p.VAR_KEYWORD for p in params.values())
     if positional_only := [n for n, p in params.items() if p.kind is p.POSITIONAL_ONLY]:
-        raise ConfigError(f"algo.fn '{spec}': parameters are passed by name, so {positional_only} cannot be positional-only")
+        raise ConfigError(
+            f"algo.fn '{spec}': parameters are passed by name, so {positional_only} cannot be positional-only"
+        )
     if not takes_all and (unused := [a for a in args if a not in params]):
-        raise ConfigError(f"algo.args {unused} are not parameters of '{spec}' (it takes: {', '.join(params) or 'none'})")
-    required = [n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.default is p.empty]
+        raise ConfigError(
+            f"algo.args {unused} are not parameters of '{spec}' (it takes: {', '.join(params) or 'none'})"
+        )
+    required = [
+        n for n, p in params.items() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and p.default is p.empty
+    ]
     if missing := [n for n in required if n not in PROVIDED and n not in args]:
         raise ConfigError(
             f"algo.fn '{spec}' needs {missing}: agl passes only {', '.join(PROVIDED)}; "

@@ -6,6 +6,7 @@ whose status is ``succeeded`` is skipped; any other existing run dir is resumed 
 store. In a sweep (Hydra multirun) a failing job is recorded as failed, its traceback
 written to ``error.log``, and the sweep goes on.
 """
+
 from __future__ import annotations
 
 import gc
@@ -37,8 +38,15 @@ log = logging.getLogger(__name__)
 # algo.name -> the module under agl/jobs/ whose ``run(cfg, run_dir)`` runs it (imported when it runs:
 # report= and a launcher's checks load no torch)
 JOBS = {
-    "info": "info", "grpo": "grpo", "eval": "eval", "prompt_search": "prompt_search", "sft": "sft", "custom": "custom",
-    "serve": "serve", "export": "export", "runner": "runner",
+    "info": "info",
+    "grpo": "grpo",
+    "eval": "eval",
+    "prompt_search": "prompt_search",
+    "sft": "sft",
+    "custom": "custom",
+    "serve": "serve",
+    "export": "export",
+    "runner": "runner",
 }
 
 
@@ -67,7 +75,15 @@ def in_multirun() -> bool:
 
 def config_hash(cfg: DictConfig) -> str:
     plain = OmegaConf.to_container(cfg, resolve=True)
-    for key in ("resume", "report", "progress", "device", "run_dir", "threads", "logger"):  # run_dir: agl.run's, where Hydra's is not in cfg
+    for key in (
+        "resume",
+        "report",
+        "progress",
+        "device",
+        "run_dir",
+        "threads",
+        "logger",
+    ):  # run_dir: agl.run's, where Hydra's is not in cfg
         plain.pop(key, None)
     return hashlib.sha1(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
@@ -84,36 +100,62 @@ def run_job(cfg: DictConfig) -> object:
         cfg = resumed_config(cfg)
         run_dir = Path(cfg.resume)
     else:
-        run_dir = Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else Path(cfg.get("run_dir") or cfg.get("attach") or ".")
+        run_dir = (
+            Path(HydraConfig.get().runtime.output_dir)
+            if HydraConfig.initialized()
+            else Path(cfg.get("run_dir") or cfg.get("attach") or ".")
+        )
     name = cfg.algo.name
     if name not in JOBS:
         raise ConfigError(f"algo '{name}' has no job; known: {', '.join(sorted(JOBS))}")
     if cfg.get("attach") and name != "runner":
         raise ConfigError(f"attach= joins a running job as a runner process: use it with algo=runner, not algo={name}")
-    threads = apply_threads(cfg, HydraConfig.get() if multirun else None)  # jobs x threads <= cores (agl/jobs/launchers.py)
+    threads = apply_threads(
+        cfg, HydraConfig.get() if multirun else None
+    )  # jobs x threads <= cores (agl/jobs/launchers.py)
     config = to_typed(cfg)  # the one conversion: below here, every part takes its typed section
-    if name in ("info", "runner"):  # a smoke test; a process working in another job's run: nothing of their own to record or resume
+    if name in (
+        "info",
+        "runner",
+    ):  # a smoke test; a process working in another job's run: nothing of their own to record or resume
         return job_function(name)(config, run_dir)
 
     previous = read_status(run_dir)
     digest = config_hash(cfg)
     if previous and previous.get("config_hash") not in (None, digest):
-        log.warning("%s was started with a different config (changed conf/ files?); continuing with the new one", run_dir)
+        log.warning(
+            "%s was started with a different config (changed conf/ files?); continuing with the new one", run_dir
+        )
     if previous and previous.get("status") == "succeeded":
-        print(f"skip: {run_dir} already finished (its {run_dir / 'status.json'} says succeeded; delete it to run again)")
+        print(
+            f"skip: {run_dir} already finished (its {run_dir / 'status.json'} says succeeded; delete it to run again)"
+        )
         return previous.get("result")
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     if previous:
         print(f"continuing {run_dir} (status was {previous.get('status')}) from its store")
     started = time.time()
     write_status(
-        run_dir, "running", algo=name, task=cfg.task.name, pid=os.getpid(), host=os.uname().nodename, started=started,
-        ended=None, duration_s=None, error=None, config_hash=digest, threads=threads, **({"overrides": overrides} if overrides and not cfg.get("resume") else {}),
+        run_dir,
+        "running",
+        algo=name,
+        task=cfg.task.name,
+        pid=os.getpid(),
+        host=os.uname().nodename,
+        started=started,
+        ended=None,
+        duration_s=None,
+        error=None,
+        config_hash=digest,
+        threads=threads,
+        **({"overrides": overrides} if overrides and not cfg.get("resume") else {}),
     )
     try:
         seed_everything(config.seed)  # before the model is built: the LoRA's initial weights repeat
         group = run_dir.parent.name if multirun else None  # W&B groups a sweep's jobs by their sweep dir
-        with run_loggers(config.logger, config_record(config), run_dir, group):  # logger=: metrics.jsonl's rows also to tensorboard / wandb
+        with run_loggers(
+            config.logger, config_record(config), run_dir, group
+        ):  # logger=: metrics.jsonl's rows also to tensorboard / wandb
             result = job_function(name)(config, run_dir)
     except (Exception, SystemExit) as error:
         draw_curves(run_dir)  # what a failed job had logged

@@ -6,6 +6,7 @@ default; with ``algo.k > 1`` (and ``algo.temperature > 0``) every task is tried 
 pass@k is reported. The table is printed and written to ``eval.md`` and ``eval.json`` in the
 run dir; the rollouts are in the run's store like any other run's, so a killed eval resumes.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -21,7 +22,6 @@ from agl.report.tables import fmt, markdown_table
 from agl.runtime import Runtime
 
 log = logging.getLogger(__name__)
-
 
 
 def adapter_label(model: ModelConfig) -> str:
@@ -45,15 +45,27 @@ async def run_eval(config: Config, run_dir: Path) -> dict:
             raise ConfigError(f"split '{algo.split}' of task '{config.task.name}' has no rows")
         await rt.record_config()
         scores = await evaluate_rows(
-            rt, rows, resources=rt.task.resources_for(algo.prompt), sampling=sampling_of(algo), k=algo.k,
-            tag={"eval": "eval"}, desc=f"eval {algo.split}",
+            rt,
+            rows,
+            resources=rt.task.resources_for(algo.prompt),
+            sampling=sampling_of(algo),
+            k=algo.k,
+            tag={"eval": "eval"},
+            desc=f"eval {algo.split}",
         )
         summary = summarize(scores, k=algo.k, pass_threshold=algo.pass_threshold)
         failures = await rollout_failures(rt.store, {s["rollout_id"]: s["status"] for s in scores})
         await rt.store.log_metrics(0, {f"eval/{k}": v for k, v in summary.items()})
     result = {
-        "task": config.task.name, "model": config.model.name, "adapter": adapter, "split": algo.split, "tasks": len(rows),
-        "k": algo.k, "prompt": algo.prompt, "sampling": sampling_of(algo), "summary": summary,
+        "task": config.task.name,
+        "model": config.model.name,
+        "adapter": adapter,
+        "split": algo.split,
+        "tasks": len(rows),
+        "k": algo.k,
+        "prompt": algo.prompt,
+        "sampling": sampling_of(algo),
+        "summary": summary,
         "metrics": {f"eval/{k}": v for k, v in summary.items()},
         "intervals": rate_intervals(scores),
     }

@@ -33,6 +33,7 @@ Left out: merging into the dequantized NF4 weights instead (logits exactly the p
 the 4-bit rounding baked into a full-precision file), and exporting without an adapter (the base
 model dir is that export already).
 """
+
 from __future__ import annotations
 
 import contextlib

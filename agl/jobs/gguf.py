@@ -23,6 +23,7 @@ which is ``gpt-2`` there. Other splitters would need that table, so they are lef
 Also left out: quantized GGUF types (Q8_0, Q4_K, ...): llama.cpp's ``llama-quantize`` makes
 them from this file.
 """
+
 from __future__ import annotations
 
 import json
@@ -78,7 +79,9 @@ def write_gguf(hf_dir: Path, path: Path, name: str, dtype: torch.dtype) -> None:
             for key in tensors.keys():
                 target = names.get_name(key, try_suffixes=(".weight", ".bias"))
                 if target is None:
-                    raise ConfigError(f"GGUF export: tensor {key!r} has no llama.cpp name (algo.gguf=false exports the HF dir alone)")
+                    raise ConfigError(
+                        f"GGUF export: tensor {key!r} has no llama.cpp name (algo.gguf=false exports the HF dir alone)"
+                    )
                 tensor = tensors.get_tensor(key)
                 if key.endswith("q_proj.weight"):
                     tensor = interleave_rope_rows(tensor, heads)
@@ -98,7 +101,9 @@ def write_gguf(hf_dir: Path, path: Path, name: str, dtype: torch.dtype) -> None:
 def interleave_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """HF's q/k projection rows (per head: first halves, then second halves of the rotary pairs)
     in llama.cpp's order (pairs adjacent); ``LlamaModel.permute`` in convert_hf_to_gguf."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
 
 
 def add_hyperparameters(writer: Any, config: dict, name: str, file_type: Any) -> None:
@@ -138,7 +143,13 @@ def add_vocabulary(writer: Any, hf_dir: Path, vocab_size: int) -> None:
             types.append(gguf.TokenType.UNUSED)
         else:
             tokens.append(by_id[i])
-            types.append(gguf.TokenType.NORMAL if i not in added else gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
+            types.append(
+                gguf.TokenType.NORMAL
+                if i not in added
+                else gguf.TokenType.CONTROL
+                if added[i].special
+                else gguf.TokenType.USER_DEFINED
+            )
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre(GPT2_PRE)
     writer.add_token_list(tokens)

@@ -1,4 +1,5 @@
 """``algo=grpo``: GRPO on the task's agent (an SFT warm-up first when ``algo.warmup.steps`` > 0)."""
+
 from __future__ import annotations
 
 import asyncio

@@ -1,4 +1,5 @@
 """``algo=info``: load the policy and report its size and memory: the quickest check that the setup works."""
+
 from __future__ import annotations
 
 from pathlib import Path

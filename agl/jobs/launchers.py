@@ -26,6 +26,7 @@ Left out: torch's inter-op pool (``set_num_interop_threads`` may be called only 
 work; agl's forward passes are intra-op), and jobs run as threads of one process (joblib's
 ``prefer=threads``): torch's thread count is per process, so they would share one setting.
 """
+
 from __future__ import annotations
 
 import logging
@@ -87,7 +88,9 @@ def sweep_batch_size(hydra_cfg: Any) -> int | None:
     params = master.sweeper.get("params") or {}
     arguments = [f"{k}={v}" for k, v in params.items()] + list(master.overrides.task)
     try:  # as BasicSweeper.sweep splits them
-        batches = BasicSweeper.split_arguments(OverridesParser.create().parse_overrides(arguments), master.sweeper.get("max_batch_size"))
+        batches = BasicSweeper.split_arguments(
+            OverridesParser.create().parse_overrides(arguments), master.sweeper.get("max_batch_size")
+        )
     except HydraException:  # glob(...) choices need Hydra's config loader: the count stays unknown
         return None
     return max((len(b) for b in batches), default=None)
@@ -103,13 +106,19 @@ def jobs_at_once(hydra_cfg: Any, cores: int, batch: int | None) -> tuple[int, st
         return 1, f"{target.rsplit('.', 1)[-1]}: each job on an allocation of its own"
     if target == JOBLIB:
         n = launcher.get("n_jobs")
-        n_jobs = n if n and n > 0 else max(1, cores + 1 + n) if n else 1  # joblib's reading: -1 every core, -2 all but one
-        return (min(n_jobs, batch) if batch else n_jobs), f"joblib n_jobs={launcher.get('n_jobs')}" + (f", {batch} jobs" if batch else "")
+        n_jobs = (
+            n if n and n > 0 else max(1, cores + 1 + n) if n else 1
+        )  # joblib's reading: -1 every core, -2 all but one
+        return (min(n_jobs, batch) if batch else n_jobs), f"joblib n_jobs={launcher.get('n_jobs')}" + (
+            f", {batch} jobs" if batch else ""
+        )
     name = "submitit_local" if target == SUBMITIT_LOCAL else f"launcher {target}"
     return (batch or cores), f"{name}: " + (f"{batch} jobs at once" if batch else "jobs at once unknown, one core each")
 
 
-def auto_threads(hydra_cfg: Any | None, cores: int, user_omp: str | None = None, batch: int | None = None) -> tuple[int, str]:
+def auto_threads(
+    hydra_cfg: Any | None, cores: int, user_omp: str | None = None, batch: int | None = None
+) -> tuple[int, str]:
     """``threads: null``: (threads per job, why). ``hydra_cfg`` is a multirun job's Hydra config, else None."""
     at_once, why = (1, "one job") if hydra_cfg is None else jobs_at_once(hydra_cfg, cores, batch)
     threads = max(1, cores // max(1, at_once))
@@ -167,7 +176,9 @@ def launcher_names(conf_dir: Path) -> list[str]:
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.utils import create_config_search_path
 
-    return ConfigLoaderImpl(config_search_path=create_config_search_path(str(conf_dir))).get_group_options("hydra/launcher")
+    return ConfigLoaderImpl(config_search_path=create_config_search_path(str(conf_dir))).get_group_options(
+        "hydra/launcher"
+    )
 
 
 def check_launcher(argv: Sequence[str], conf_dir: Path) -> None:
@@ -181,6 +192,7 @@ def check_launcher(argv: Sequence[str], conf_dir: Path) -> None:
         return
     install = LAUNCHER_EXTRAS.get(name)
     raise ConfigError(
-        f"hydra/launcher={name}: " + (f"that launcher's plugin is not installed ({install})" if install else "no such launcher")
+        f"hydra/launcher={name}: "
+        + (f"that launcher's plugin is not installed ({install})" if install else "no such launcher")
         + f"; available here: {', '.join(known)}"
     )

@@ -13,6 +13,7 @@ Uncertainty: each mean comes with two 95% intervals over the N tasks —
     interval lies entirely below the best one's.
 Writes ``prompt_search.md`` and ``prompt_search.json`` to the run dir.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,7 +36,16 @@ def rank(scores_by_candidate: dict[str, list[dict]], *, resamples: int = 2000, s
         mean, lo, hi = mean_ci(rewards)
         b_lo, b_hi = bootstrap_ci(rewards, resamples=resamples, seed=seed)
         summary = summarize(scores)
-        ranking.append({"prompt": name, "n": len(rewards), "mean": mean, "ci_normal": [lo, hi], "ci_bootstrap": [b_lo, b_hi], "summary": summary})
+        ranking.append(
+            {
+                "prompt": name,
+                "n": len(rewards),
+                "mean": mean,
+                "ci_normal": [lo, hi],
+                "ci_bootstrap": [b_lo, b_hi],
+                "summary": summary,
+            }
+        )
     ranking.sort(key=lambda r: -r["mean"])
     if ranking:
         best_lo = ranking[0]["ci_bootstrap"][0]
@@ -51,7 +61,9 @@ async def run_prompt_search(config: Config, run_dir: Path) -> dict:
         candidates = list(algo.candidates) if algo.candidates else list(prompts)
         unknown = [c for c in candidates if c not in prompts]
         if unknown:
-            raise ConfigError(f"algo.candidates {unknown} are not prompts of task '{config.task.name}': {', '.join(prompts)}")
+            raise ConfigError(
+                f"algo.candidates {unknown} are not prompts of task '{config.task.name}': {', '.join(prompts)}"
+            )
         rows = split_rows(rt.task.load(algo.split), algo.size, distinct=True)
         if not rows:
             raise ConfigError(f"split '{algo.split}' of task '{config.task.name}' has no rows")
@@ -60,16 +72,30 @@ async def run_prompt_search(config: Config, run_dir: Path) -> dict:
         resources = {name: rt.task.resources_for(name) for name in candidates}
         for name in candidates:  # one resources version per template, added before any rollout
             await rt.resources_id(resources[name])
-        results = await asyncio.gather(*[
-            evaluate_rows(rt, rows, resources=resources[name], sampling=sampling, tag={"candidate": name}, desc=f"prompt {name}")
-            for name in candidates
-        ])
+        results = await asyncio.gather(
+            *[
+                evaluate_rows(
+                    rt,
+                    rows,
+                    resources=resources[name],
+                    sampling=sampling,
+                    tag={"candidate": name},
+                    desc=f"prompt {name}",
+                )
+                for name in candidates
+            ]
+        )
         ranking = rank(dict(zip(candidates, results)), resamples=algo.bootstrap, seed=config.seed)
         await rt.store.set_run_info("prompt_search", ranking)
     best = ranking[0]
     result = {
-        "task": config.task.name, "split": algo.split, "tasks": len(rows), "sampling": sampling, "best": best["prompt"],
-        "best_template": prompts[best["prompt"]], "ranking": ranking,
+        "task": config.task.name,
+        "split": algo.split,
+        "tasks": len(rows),
+        "sampling": sampling,
+        "best": best["prompt"],
+        "best_template": prompts[best["prompt"]],
+        "ranking": ranking,
         "metrics": {"best_prompt": best["prompt"], "best_mean": best["mean"]},
     }
     text = prompt_search_markdown(result, prompts)
@@ -85,8 +111,20 @@ def prompt_search_markdown(result: dict, prompts: dict[str, str]) -> str:
     for i, r in enumerate(result["ranking"], 1):
         lo, hi = r["ci_normal"]
         b_lo, b_hi = r["ci_bootstrap"]
-        rows.append([i, r["prompt"], r["mean"], f"[{lo:.3f}, {hi:.3f}]", f"[{b_lo:.3f}, {b_hi:.3f}]", r["n"], "yes" if r["separated"] else ""])
-    table = markdown_table(["rank", "prompt", "mean reward", "95% CI (normal)", "95% CI (bootstrap)", "n", "below best"], rows)
+        rows.append(
+            [
+                i,
+                r["prompt"],
+                r["mean"],
+                f"[{lo:.3f}, {hi:.3f}]",
+                f"[{b_lo:.3f}, {b_hi:.3f}]",
+                r["n"],
+                "yes" if r["separated"] else "",
+            ]
+        )
+    table = markdown_table(
+        ["rank", "prompt", "mean reward", "95% CI (normal)", "95% CI (bootstrap)", "n", "below best"], rows
+    )
     best = result["best"]
     return (
         f"# prompt search: {result['task']} / {result['split']} ({result['tasks']} tasks, temperature {result['sampling']['temperature']})\n\n"

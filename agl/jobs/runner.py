@@ -1,4 +1,5 @@
 """``algo=runner attach=<run dir>``: this process joins a running job as a runner process (agl.agents.attach)."""
+
 from __future__ import annotations
 
 import asyncio

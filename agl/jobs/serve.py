@@ -15,6 +15,7 @@ them; ``SqliteStore.open_readonly`` reads them, also while the server runs.
 Left out: rollout routes for agents (no runners run here, so nothing would finish their
 attempts: use ``algo=eval``) and hot-swapping adapters (one policy per process, as in training).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -45,7 +46,11 @@ async def run_serve(config: Config, run_dir: Path) -> dict:
         for sig in (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ():
             loop.add_signal_handler(sig, stop.set)
             parts.callback(loop.remove_signal_handler, sig)
-        store = await parts.enter_async_context(SqliteStore(run_dir / "store.sqlite")) if typed(ServeConfig, config.algo).record else None
+        store = (
+            await parts.enter_async_context(SqliteStore(run_dir / "store.sqlite"))
+            if typed(ServeConfig, config.algo).record
+            else None
+        )
         policy = await asyncio.to_thread(load_policy, model, config.device)
         engine = Engine(policy, **engine_kwargs(config.engine, model.compute_dtype))
         await engine.start()
@@ -59,7 +64,9 @@ async def run_serve(config: Config, run_dir: Path) -> dict:
                 "(choose another server.port, or server.port=0 for a free one)"
             ) from None
         parts.push_async_callback(server.stop)
-        recording = f"recording calls in {store.path}" if store is not None else "not recording calls (algo.record=false)"
+        recording = (
+            f"recording calls in {store.path}" if store is not None else "not recording calls (algo.record=false)"
+        )
         print(f"serving {server.base_url} (model {policy.name!r}); {recording}; stop with Ctrl-C", flush=True)
         await stop.wait()
         await server.stop()  # no call is recorded after this: the count below is final

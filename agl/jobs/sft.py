@@ -1,4 +1,5 @@
 """``algo=sft``: supervised fine-tuning of the LoRA on the task's demonstrations (agl.train.sft)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,5 +17,7 @@ async def train_sft(config: Config, run_dir: Path) -> dict:
 
 def run(config: Config, run_dir: Path) -> dict:
     result = asyncio.run(train_sft(config, run_dir))
-    print(f"run dir: {run_dir}\nadapter: {result['adapter']}\nnext:    python harness.py algo=grpo model.adapter={run_dir} ...")
+    print(
+        f"run dir: {run_dir}\nadapter: {result['adapter']}\nnext:    python harness.py algo=grpo model.adapter={run_dir} ..."
+    )
     return result

@@ -25,6 +25,7 @@ modules), not inside the decoder layers. Other architectures, a LoRA module left
 dense layer (``engine.weights=adapter``), or a rotary embedding whose frequencies depend on the
 length fall back to the model's forward (``decode_step`` returns None).
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -47,7 +48,9 @@ def _rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return norm.weight * h.to(dtype)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, row_major: bool = False) -> torch.Tensor:
+def _linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, row_major: bool = False
+) -> torch.Tensor:
     """``x @ W.T + b`` computed as ``(W @ x.T).T``, in the weight's dtype, returned in the input's
     (DenseLinear's contract). With a few rows of x, MKL splits ``x @ W.T`` over the rows between
     the two threads, so each thread streams all of W; ``W @ x.T`` splits over W's rows. The result
@@ -104,7 +107,9 @@ class LlamaDecodeStep:
             attn, mlp = layer.self_attn, layer.mlp
             qkv = _stack([attn.q_proj, attn.k_proj, attn.v_proj])
             gate_up = _stack([mlp.gate_proj, mlp.up_proj])
-            built.append((layer.input_layernorm, qkv, attn.o_proj, layer.post_attention_layernorm, gate_up, mlp.down_proj))
+            built.append(
+                (layer.input_layernorm, qkv, attn.o_proj, layer.post_attention_layernorm, gate_up, mlp.down_proj)
+            )
         self._layers = built
         self._first = layers[0].self_attn.q_proj
 

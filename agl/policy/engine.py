@@ -26,6 +26,7 @@ What is recorded per token is exactly what was sampled: the token id and its log
 the sampling distribution, ``log_softmax(logits / temperature)`` (raw logits when greedy),
 before any top-p truncation. The trainer recomputes the same quantity.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -161,7 +162,9 @@ def _keep_rows(batch: _Batch, keep: list[int]) -> _Batch:
 def _own_row(batch: _Batch, row: int) -> _Batch:
     """Row ``row`` of ``batch`` as a batch of its own, with a copy of its cache."""
     first_real = int(batch.mask[row].nonzero()[0])
-    tensors = [(k[row : row + 1, :, first_real:], v[row : row + 1, :, first_real:]) for k, v in _cache_tensors(batch.cache)]
+    tensors = [
+        (k[row : row + 1, :, first_real:], v[row : row + 1, :, first_real:]) for k, v in _cache_tensors(batch.cache)
+    ]
     return _Batch(
         seqs=[batch.seqs[row]],
         cache=cache_from_tensors(tensors),
@@ -199,7 +202,11 @@ class Engine:
         self.policy = policy
         # merged: one dense matmul per layer (see agl.policy.sampler_weights); adapter: the training model itself
         self.adapter = adapter
-        self.merged = MergedSampler(policy.model, policy.compute_dtype, lora=adapter) if weights == "merged" or not adapter else None
+        self.merged = (
+            MergedSampler(policy.model, policy.compute_dtype, lora=adapter)
+            if weights == "merged" or not adapter
+            else None
+        )
         if decode not in ("fast", "model"):
             raise ValueError(f"engine.decode '{decode}' is not one of: fast, model")
         # fast: agl.policy.decode's step for Llama-family dense samplers (None where it does not apply)
@@ -217,7 +224,13 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agl-engine")
         self.generator = torch.Generator(device="cpu").manual_seed(0)
-        self.stats = {"steps": 0, "prefill_tokens": 0, "prefill_shared_tokens": 0, "decode_tokens": 0, "failed_steps": 0}
+        self.stats = {
+            "steps": 0,
+            "prefill_tokens": 0,
+            "prefill_shared_tokens": 0,
+            "decode_tokens": 0,
+            "failed_steps": 0,
+        }
 
     # ------------------------------------------------------------------ public API
 
@@ -245,7 +258,9 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
                 f"length ({self.policy.context_length})"
             )
-        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.policy.eos_token_ids))
+        stop_ids = frozenset(params.stop_token_ids) | (
+            frozenset() if params.ignore_eos else frozenset(self.policy.eos_token_ids)
+        )
         seqs = []
         for i in range(n):
             seq = SequenceStream(list(prompt_ids), params, stop_ids)
@@ -316,7 +331,11 @@ class Engine:
     def _fail_all(self, admitted: list[SequenceStream], error: Exception) -> None:
         """End every sequence of the failed step (``finish_reason`` "error"): their KV rows are in an
         unknown state. Waiting sequences were not in it and run next."""
-        log.error("engine step failed; its %d sequences end with an error", len(admitted) + len(self._running_seqs()), exc_info=error)
+        log.error(
+            "engine step failed; its %d sequences end with an error",
+            len(admitted) + len(self._running_seqs()),
+            exc_info=error,
+        )
         for seq in admitted + self._running_seqs():
             seq.error = f"{type(error).__name__}: {error}"
             seq._finish("error")
@@ -355,7 +374,10 @@ class Engine:
                 seq._finish("abort")
             elif seq.token_ids and seq.token_ids[-1] in seq.stop_ids:
                 seq._finish("stop")
-            elif len(seq.token_ids) >= seq.params.max_tokens or len(seq.prompt_ids) + len(seq.token_ids) >= self.policy.context_length:
+            elif (
+                len(seq.token_ids) >= seq.params.max_tokens
+                or len(seq.prompt_ids) + len(seq.token_ids) >= self.policy.context_length
+            ):
                 seq._finish("length")
             else:
                 keep.append(i)
@@ -397,7 +419,9 @@ class Engine:
             yield admit, logits, new_rows
             self._merge(new_rows)
 
-    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    def _forward(
+        self, input_ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: DynamicCache
+    ) -> torch.Tensor:
         device = self.policy.device
         model = self.merged.model() if self.merged is not None else self.policy.model
         out = model(
@@ -420,8 +444,8 @@ class Engine:
         ids = torch.full((len(prompts), width), self.policy.eos_token_ids[0], dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
         for row, prompt in enumerate(prompts):
-            ids[row, width - len(prompt):] = torch.tensor(prompt)
-            mask[row, width - len(prompt):] = 1
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         cache = slot_cache()
         logits = self._forward(ids, mask, positions, cache)

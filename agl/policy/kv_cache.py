@@ -25,6 +25,7 @@ Positions outside a row's real tokens hold zeros or an earlier row's keys and va
 engine's attention mask hides them. Buffers start zeroed so that no hidden position is NaN (a
 masked NaN value would still poison ``0 * v`` in the attention's weighted sum).
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,7 +43,9 @@ class SlotLayer(DynamicLayer):
         self._views: tuple[torch.Tensor, torch.Tensor] | None = None  # what keys/values were last set to
 
     # -- transformers' layer interface
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append ``key_states``/``value_states`` [rows, kv_heads, added, head_dim] after the live columns."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
@@ -139,7 +142,11 @@ class SlotLayer(DynamicLayer):
         """Whoever set ``keys``/``values`` directly (transformers' ``batch_select_indices`` and
         kin) replaced the live part: take their tensors as it. (Offloading, which swaps tensors
         every layer, would reload every time; the engine does not offload.)"""
-        if self.buffers is not None and self.keys is not None and (self.keys is not self._views[0] or self.values is not self._views[1]):
+        if (
+            self.buffers is not None
+            and self.keys is not None
+            and (self.keys is not self._views[0] or self.values is not self._views[1])
+        ):
             self._load(self.keys, self.values)
             self._publish()
 

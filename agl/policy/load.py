@@ -4,6 +4,7 @@ The base weights (``agl.policy.weights``) are quantized by bitsandbytes (``nf4``
 wrapped in a peft LoRA (``agl.policy.lora``). Disabling the adapter gives the reference policy for
 KL without a second copy of the model.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -16,15 +17,20 @@ import torch
 
 from agl.config import ModelConfig, typed
 from agl.errors import ConfigError
-from agl.policy.lora import check_vocabulary_tie, find_adapter_dir, fold_tied_gradients, lora_config, resolve_train_merged, tied_lora_aliases, train_in_fp32
+from agl.policy.lora import (
+    check_vocabulary_tie,
+    find_adapter_dir,
+    fold_tied_gradients,
+    lora_config,
+    resolve_train_merged,
+    tied_lora_aliases,
+    train_in_fp32,
+)
 from agl.policy.quiet import quiet_loading
 from agl.policy.weights import resolve_model_path
 
 QUANTIZATIONS = ("nf4", "fp4", "int8", "none")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-
 
 
 # ----------------------------------------------------------------------------- the policy
@@ -46,9 +52,13 @@ class Policy:
     context_length: int
     name: str
     version: int = 0
-    train_merged: bool = False  # the update runs LoRA linears merged (model.lora.train_merged, agl/train/merged_lora.py)
+    train_merged: bool = (
+        False  # the update runs LoRA linears merged (model.lora.train_merged, agl/train/merged_lora.py)
+    )
 
-    def render_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None, add_generation_prompt: bool = True) -> list[int]:
+    def render_chat(
+        self, messages: Sequence[dict], tools: Sequence[dict] | None = None, add_generation_prompt: bool = True
+    ) -> list[int]:
         """Token ids of ``messages`` rendered through the model's chat template.
 
         >>> policy.render_chat([{"role": "user", "content": "Hi"}])[:3]  # doctest: +SKIP
@@ -150,7 +160,9 @@ def quantization_config(quantization: str, compute_dtype: torch.dtype, double_qu
     from transformers import BitsAndBytesConfig
 
     if quantization not in QUANTIZATIONS:
-        raise ConfigError(f"model.quantization '{quantization}' is not valid; choose one of: {', '.join(QUANTIZATIONS)}")
+        raise ConfigError(
+            f"model.quantization '{quantization}' is not valid; choose one of: {', '.join(QUANTIZATIONS)}"
+        )
     if quantization == "none":
         return None
     if quantization == "int8":

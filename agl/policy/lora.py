@@ -4,6 +4,7 @@ The LoRA goes on the linear layers ``model.lora.target_modules`` names, and opti
 embeddings and the output projection (``train_embeddings``, ``train_head``; see ``lora_config``).
 Its parameters are the only trainable ones, kept in fp32 whatever the compute dtype.
 """
+
 from __future__ import annotations
 
 import functools
@@ -97,7 +98,9 @@ def with_targets(target: Any, extra: list[str], base: torch.nn.Module) -> Any:
         return target if isinstance(target, str) else list(target)
     if isinstance(target, str) and target.lower() == "all-linear":
         head = base.get_output_embeddings()
-        linear = [name for name, m in base.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head]
+        linear = [
+            name for name, m in base.named_modules() if isinstance(m, (torch.nn.Linear, Conv1D)) and m is not head
+        ]
         return linear + extra
     if isinstance(target, str):
         return "|".join([f"(?:{target})", *(re.escape(name) for name in extra)])

@@ -1,4 +1,5 @@
 """Quiet loading: no warnings or progress bars that a user cannot act on. No torch here (``import agl`` runs it)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -30,7 +31,9 @@ def quiet_loading() -> Iterator[None]:
     hf_logging.disable_progress_bar()
     try:
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=r".*is_gradient_checkpointing.*deprecated", category=FutureWarning)
+            warnings.filterwarnings(
+                "ignore", message=r".*is_gradient_checkpointing.*deprecated", category=FutureWarning
+            )
             yield
     finally:
         if was_enabled:

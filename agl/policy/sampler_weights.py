@@ -23,6 +23,7 @@ from the LoRA tensors themselves (their in-place version counters), so an optimi
 a checkpoint restore or a ``load_state_dict`` all invalidate the merge without any caller
 having to remember to.
 """
+
 from __future__ import annotations
 
 import copy
@@ -118,11 +119,15 @@ class MergedSampler:
     def _copy_tree(self, module: nn.Module, prefix: str) -> nn.Module:
         if not self.lora and _is_lora(module) and prefix.rstrip(".") not in self.layers:
             return module.get_base_layer()  # a LoRA on the embeddings or the head: its frozen base
-        if not any(name.startswith(prefix) for name in self.layers) and (self.lora or not any(map(_is_lora, module.modules()))):
+        if not any(name.startswith(prefix) for name in self.layers) and (
+            self.lora or not any(map(_is_lora, module.modules()))
+        ):
             return module  # nothing below is densified: shared, with its state (e.g. a LoRA's on/off switch)
         clone = copy.copy(module)
         clone._modules = {
-            name: None if child is None else (child if f"{prefix}{name}" in self.layers else self._copy_tree(child, f"{prefix}{name}."))
+            name: None
+            if child is None
+            else (child if f"{prefix}{name}" in self.layers else self._copy_tree(child, f"{prefix}{name}."))
             for name, child in module._modules.items()
         }
         return clone
@@ -133,7 +138,9 @@ class MergedSampler:
         if not self.lora:
             return ()
         first = next(iter(self.layers.values()), None)
-        return tuple((p.data_ptr(), p._version) for p in self._lora_params) + (getattr(first, "disable_adapters", False),)
+        return tuple((p.data_ptr(), p._version) for p in self._lora_params) + (
+            getattr(first, "disable_adapters", False),
+        )
 
     @torch.no_grad()
     def refresh(self) -> None:

@@ -9,6 +9,7 @@
 
 A cache entry is complete only with its manifest (every file's size and sha256), written last.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -184,4 +185,6 @@ def resolve_model_path(path: str, cache_dir: str, tiny: dict | None = None) -> s
         return str(local)
     if HUB_ID.match(path) and not path.startswith((".", "/", "~")):
         return path  # a hub id: from_pretrained fetches it where a hub is reachable
-    raise ConfigError(f"model.path '{path}' does not exist (expected 'embedded', 'tiny', a local HF model dir or a hub id)")
+    raise ConfigError(
+        f"model.path '{path}' does not exist (expected 'embedded', 'tiny', a local HF model dir or a hub id)"
+    )

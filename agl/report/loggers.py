@@ -28,6 +28,7 @@ the first row a process logs makes each logger catch up from the file first.
 Left out: jobs that write no metrics.jsonl (``algo=eval``, ``prompt_search``, ``custom``: their
 results are in ``status.json``), and models, media or text in either logger.
 """
+
 from __future__ import annotations
 
 import abc
@@ -49,7 +50,9 @@ _ACTIVE: dict[str, list[Logger]] = {}  # resolved run dir -> the loggers of the 
 
 def scalars(row: dict) -> dict[str, float]:
     """The row's numbers, by name; ``step`` is the x axis, not a curve."""
-    return {k: float(v) for k, v in row.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+    return {
+        k: float(v) for k, v in row.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+    }
 
 
 class Logger(abc.ABC):
@@ -83,7 +86,9 @@ class TensorBoard(Logger):
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:  # torch's writer needs the tensorboard package
-            raise ConfigError("logger=tensorboard needs the tensorboard package: pip install -e '.[tensorboard]'") from None
+            raise ConfigError(
+                "logger=tensorboard needs the tensorboard package: pip install -e '.[tensorboard]'"
+            ) from None
         self._writer_class, self.writer = SummaryWriter, None
 
     def open(self, rows: list[dict]) -> None:
@@ -115,7 +120,10 @@ class WandB(Logger):
     def open(self, rows: list[dict]) -> None:
         run_id = self.id_path.read_text().strip() if self.id_path.is_file() else secrets.token_hex(4)  # a valid W&B id
         self.run = self.wandb.init(
-            dir=str(self.run_dir), id=run_id, resume="allow", name=self.run_dir.name,
+            dir=str(self.run_dir),
+            id=run_id,
+            resume="allow",
+            name=self.run_dir.name,
             project=os.environ.get("WANDB_PROJECT") or WANDB_PROJECT,
             group=self.group,
             config=self.record,
@@ -146,7 +154,9 @@ def logger_names(setting: Any) -> list[str]:
     names = list(setting) if isinstance(setting, (list, tuple, ListConfig)) else [setting]
     for name in names:
         if name not in LOGGERS:
-            raise ConfigError(f"logger={name}: no such logger; known: {', '.join(LOGGERS)} (or null for metrics.jsonl only)")
+            raise ConfigError(
+                f"logger={name}: no such logger; known: {', '.join(LOGGERS)} (or null for metrics.jsonl only)"
+            )
     return list(dict.fromkeys(names))
 
 

@@ -3,6 +3,7 @@ store's metrics. Trainers append a row after its step's checkpoint committed; a 
 file from the store, so a line written for a step that never committed disappears. The curves
 (``curves.png``) are drawn from it when a job ends, when it resumes, and on ``report=``, not per step.
 """
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """Training curves as PNGs, redrawn from metrics.jsonl (no model, no store needed)."""
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,9 @@ def _series(rows: Sequence[dict], key: str) -> tuple[list[float], list[float]]:
 
 def draw_panels(runs: dict[str, Sequence[dict]], out: Path, panels: Iterable[tuple[str, list[str]]] = PANELS) -> Path:
     """One figure, one panel per metric group, one line per (run, metric)."""
-    panels = [(title, keys) for title, keys in panels if any(_series(rows, k)[0] for rows in runs.values() for k in keys)]
+    panels = [
+        (title, keys) for title, keys in panels if any(_series(rows, k)[0] for rows in runs.values() for k in keys)
+    ]
     if not panels:
         return out
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)), squeeze=False)

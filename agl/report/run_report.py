@@ -11,6 +11,7 @@ Attempts cut short by the end of the harness (killed, or closed with work in fli
 not the agent's failures and used no retry (rule R7 in agl/store/rules.py): they are
 counted apart from retries, and listed apart from the agent's errors.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,8 +55,11 @@ def report_run(run_dir: Path, echo: bool = True) -> dict:
         ("best step", _best_section(rows)),
         ("reward and accuracy by step", _by_step_section(rows, data["step_summary"])),
         *([("change against the base model", vs)] if (vs := _vs_base_section(rows)) else []),
-        *([(f"samples: the same eval tasks before and after training (first {SAMPLES})", samples)]
-          if (samples := _samples_section(data["eval_replies"])) else []),
+        *(
+            [(f"samples: the same eval tasks before and after training (first {SAMPLES})", samples)]
+            if (samples := _samples_section(data["eval_replies"]))
+            else []
+        ),
         (f"slowest rollouts (top {SLOWEST})", _slowest_section(data["slowest"])),
         ("failures by error", _failures_section(data["failures"], data["harness_ends"])),
     ]
@@ -67,7 +71,11 @@ def report_run(run_dir: Path, echo: bool = True) -> dict:
     (run_dir / "report.md").write_text(text)
     if echo:
         print(text)
-    return {"run_dir": str(run_dir), "sections": [t for t, _ in sections], "data": {k: v for k, v in data.items() if k != "metrics"}}
+    return {
+        "run_dir": str(run_dir),
+        "sections": [t for t, _ in sections],
+        "data": {k: v for k, v in data.items() if k != "metrics"},
+    }
 
 
 def _read_store(path: Path) -> dict:
@@ -89,7 +97,9 @@ def _read_store(path: Path) -> dict:
                 )[0],
                 "llm_calls": q("SELECT count(*), coalesce(sum(response_tokens), 0), avg(latency) FROM llm_calls")[0],
                 "time_span": q("SELECT min(start_time), max(end_time) FROM rollouts")[0],
-                "step_summary": q("SELECT step, rollouts, succeeded, failed, unfinished, retried FROM step_summary ORDER BY step"),
+                "step_summary": q(
+                    "SELECT step, rollouts, succeeded, failed, unfinished, retried FROM step_summary ORDER BY step"
+                ),
                 "slowest": q(
                     "SELECT d.rollout_id, r.mode, CASE WHEN r.step IS NOT NULL THEN 'step ' || r.step "
                     "WHEN json_extract(r.metadata, '$.eval_step') IS NOT NULL THEN 'eval@' || json_extract(r.metadata, '$.eval_step') "
@@ -142,15 +152,34 @@ def _run_section(run_dir: Path, data: dict, rows: list[dict]) -> str:
     calls, tokens, latency = data["llm_calls"]
     start, end = data["time_span"]
     items = [
-        ("status", effective_status(status) + (f" ({status['error']})" if status and status.get("error") else "") if status else "(no status.json)"),
+        (
+            "status",
+            effective_status(status) + (f" ({status['error']})" if status and status.get("error") else "")
+            if status
+            else "(no status.json)",
+        ),
         ("algo", algo.get("name") + (f" ({algo['fn']})" if algo.get("fn") else "") if algo else None),
-        ("task", f"{task.get('name')} (prompt {task.get('prompt')})" if task and algo.get("name") != "serve" else None),  # serve runs no task
+        (
+            "task",
+            f"{task.get('name')} (prompt {task.get('prompt')})" if task and algo.get("name") != "serve" else None,
+        ),  # serve runs no task
         ("model", f"{model.get('name')}" + (f", adapter {model['adapter']}" if model.get("adapter") else "")),
-        ("steps", f"{checkpoints[-1][0] + 1} of {_planned_steps(algo)} done, policy version {checkpoints[-1][1]}" if checkpoints
-         else None if algo.get("name") in ("eval", "prompt_search", "custom", "serve") else "no checkpoint yet"),
+        (
+            "steps",
+            f"{checkpoints[-1][0] + 1} of {_planned_steps(algo)} done, policy version {checkpoints[-1][1]}"
+            if checkpoints
+            else None
+            if algo.get("name") in ("eval", "prompt_search", "custom", "serve")
+            else "no checkpoint yet",
+        ),
         ("rollouts", ", ".join(f"{n} {s}" for s, n in data["rollouts_by_status"]) or "none"),
         ("by mode", ", ".join(f"{n} {m}" for m, n in data["rollouts_by_mode"]) or "none"),
-        ("attempts", "{} ({} retries after agent failures, {} interrupted by the harness dying or closing)".format(*data["attempts"])),
+        (
+            "attempts",
+            "{} ({} retries after agent failures, {} interrupted by the harness dying or closing)".format(
+                *data["attempts"]
+            ),
+        ),
         ("llm calls", f"{calls} calls, {tokens} tokens" + (f", {latency:.3f} s mean latency" if latency else "")),
         ("wall time", f"{end - start:.1f} s of rollouts" if start and end else None),
     ]
@@ -168,7 +197,11 @@ def _run_section(run_dir: Path, data: dict, rows: list[dict]) -> str:
 def _planned_steps(algo: dict) -> str:
     """A GRPO job's steps, with its SFT warm-up's in front (epochs-based warm-ups are not counted ahead)."""
     warmup = (algo.get("warmup") or {}).get("steps") or 0
-    return f"{warmup + algo.get('steps')} ({warmup} SFT warm-up + {algo.get('steps')} GRPO)" if warmup else str(algo.get("steps"))
+    return (
+        f"{warmup + algo.get('steps')} ({warmup} SFT warm-up + {algo.get('steps')} GRPO)"
+        if warmup
+        else str(algo.get("steps"))
+    )
 
 
 def _metric_key(rows: list[dict]) -> str | None:
@@ -186,14 +219,27 @@ def _best_section(rows: list[dict]) -> str:
     pick = min if key == "loss" else max
     best = pick(points, key=lambda r: r[key])
     extra = ", ".join(f"{k} {fmt(best[k])}" for k in ("reward_mean", "eval/reward", "loss") if k in best and k != key)
-    return f"step {best['step']}: {key} {fmt(best[key])}" + (f" ({extra})" if extra else "") + (" [step -1 = before training]" if best["step"] == -1 else "")
+    return (
+        f"step {best['step']}: {key} {fmt(best[key])}"
+        + (f" ({extra})" if extra else "")
+        + (" [step -1 = before training]" if best["step"] == -1 else "")
+    )
 
 
 def _by_step_section(rows: list[dict], step_summary: list[tuple]) -> str:
     if not rows:
         return "(no metrics)"
-    keys = [k for k in ("reward_mean", "rollouts_failed", "loss", "sft_loss", "eval/reward") if any(k in r for r in rows)]
-    keys += sorted({k for r in rows for k in r if k.startswith(("eval/", "eval_all/")) and any(h in k for h in ACCURACY_HINTS) and not is_derived(r, k)})
+    keys = [
+        k for k in ("reward_mean", "rollouts_failed", "loss", "sft_loss", "eval/reward") if any(k in r for r in rows)
+    ]
+    keys += sorted(
+        {
+            k
+            for r in rows
+            for k in r
+            if k.startswith(("eval/", "eval_all/")) and any(h in k for h in ACCURACY_HINTS) and not is_derived(r, k)
+        }
+    )
     failed = {s: f for s, _, _, f, _, _ in step_summary}
     table = [[r["step"], *[with_interval(r, k) for k in keys]] for r in rows]
     if failed and "rollouts_failed" not in keys:
@@ -247,7 +293,10 @@ def _quote(text: str | None) -> str:
 def _slowest_section(slowest: list[tuple]) -> str:
     if not slowest:
         return "(no finished attempts)"
-    rows = [[rid, mode, step, attempt, status, duration, spans, reward] for rid, mode, step, attempt, status, duration, spans, reward in slowest]
+    rows = [
+        [rid, mode, step, attempt, status, duration, spans, reward]
+        for rid, mode, step, attempt, status, duration, spans, reward in slowest
+    ]
     return markdown_table(["rollout", "mode", "of", "attempt", "status", "seconds", "spans", "reward"], rows)
 
 

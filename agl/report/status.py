@@ -2,6 +2,7 @@
 the traceback is in ``error.log``), written atomically by ``agl.jobs.dispatch`` and read by reports and
 sweep summaries. ``effective_status`` tells a ``running`` whose process is gone (killed) as ``unfinished``.
 """
+
 from __future__ import annotations
 
 import json

@@ -15,6 +15,7 @@ combination (Hydra multirun) under ``outputs/multirun/<task>_<algo>_<hash>/<job 
   later, from the files alone.
 
 Nothing here imports torch: summaries and reports load no model."""
+
 from __future__ import annotations
 
 import atexit
@@ -52,8 +53,12 @@ def command_overrides(argv: Sequence[str] | None = None) -> list[str]:
     """The config overrides on the command line, sorted; Hydra's own and the excluded keys left out."""
     argv = sys.argv[1:] if argv is None else argv
     return sorted(
-        a for a in argv
-        if "=" in a and not a.startswith("-") and not _key(a).startswith(("hydra.", "hydra/")) and _key(a) not in EXCLUDED_KEYS
+        a
+        for a in argv
+        if "=" in a
+        and not a.startswith("-")
+        and not _key(a).startswith(("hydra.", "hydra/"))
+        and _key(a) not in EXCLUDED_KEYS
     )
 
 
@@ -88,7 +93,11 @@ def job_dirs(sweep_dir: Path) -> list[Path]:
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir():
         return []
-    return sorted(p for p in sweep_dir.iterdir() if p.is_dir() and ((p / STATUS_FILE).is_file() or (p / ".hydra" / "overrides.yaml").is_file()))
+    return sorted(
+        p
+        for p in sweep_dir.iterdir()
+        if p.is_dir() and ((p / STATUS_FILE).is_file() or (p / ".hydra" / "overrides.yaml").is_file())
+    )
 
 
 def _overrides(job_dir: Path) -> dict[str, str]:
@@ -98,7 +107,11 @@ def _overrides(job_dir: Path) -> dict[str, str]:
     from omegaconf import OmegaConf
 
     unescape = lambda value: re.sub(r"\\(.)", r"\1", value)  # noqa: E731  Hydra writes swept values escaped ("a\:b")
-    return {_key(o): unescape(o.split("=", 1)[1]) if "=" in o else "" for o in OmegaConf.load(path) if _key(o) not in EXCLUDED_KEYS}
+    return {
+        _key(o): unescape(o.split("=", 1)[1]) if "=" in o else ""
+        for o in OmegaConf.load(path)
+        if _key(o) not in EXCLUDED_KEYS
+    }
 
 
 def _best(rows: Sequence[dict], key: str) -> tuple[float | None, int | None]:
@@ -126,7 +139,9 @@ def job_record(job_dir: Path) -> dict:
         metrics["final reward"] = _final(rows, "reward_mean")
         metrics["best reward"], _ = _best(rows, "reward_mean")
         metrics["final loss"] = _final(rows, "loss") if metrics["final reward"] is None else None
-        for key in sorted({k for r in rows for k in r if k.startswith(("eval/", "eval_all/")) and not is_derived(r, k)} - IGNORED_EVAL):
+        for key in sorted(
+            {k for r in rows for k in r if k.startswith(("eval/", "eval_all/")) and not is_derived(r, k)} - IGNORED_EVAL
+        ):
             last = next(r for r in reversed(rows) if r.get(key) is not None)
             metrics[f"final {key}"] = with_interval(last, key)
             if (change := vs_base(last, key)) is not None:
@@ -142,7 +157,9 @@ def job_record(job_dir: Path) -> dict:
             metrics.setdefault(key, value)
     return {
         "job": job_dir.name,
-        "status": effective_status(status) if status else ("unfinished" if (job_dir / "store.sqlite").exists() else "unknown"),
+        "status": effective_status(status)
+        if status
+        else ("unfinished" if (job_dir / "store.sqlite").exists() else "unknown"),
         "algo": status.get("algo"),
         "overrides": _overrides(job_dir),
         "metrics": {k: v for k, v in metrics.items() if v is not None},
@@ -165,28 +182,49 @@ def write_sweep_summary(sweep_dir: Path, echo: bool = True) -> dict:
 
     headers = ["job", "status", *varying, *metric_names, "time_s", "error"]
     md_rows = [
-        [i, r["status"], *[r["overrides"].get(k, "") for k in varying], *[r["metrics"].get(m) for m in metric_names],
-         r["time_s"], _short(r["error"])]
+        [
+            i,
+            r["status"],
+            *[r["overrides"].get(k, "") for k in varying],
+            *[r["metrics"].get(m) for m in metric_names],
+            r["time_s"],
+            _short(r["error"]),
+        ]
         for i, r in enumerate(records)
     ]
     counts = {s: sum(r["status"] == s for r in records) for s in sorted({r["status"] for r in records})}
     text = (
-        f"# sweep: {sweep_dir}\n\n{len(records)} jobs: " + ", ".join(f"{n} {s}" for s, n in counts.items()) + "\n\n"
+        f"# sweep: {sweep_dir}\n\n{len(records)} jobs: "
+        + ", ".join(f"{n} {s}" for s, n in counts.items())
+        + "\n\n"
         + ("common overrides: " + " ".join(f"{k}={v}" for k, v in common.items()) + "\n\n" if common else "")
-        + markdown_table(headers, md_rows) + "\n\njobs:\n" + "".join(f"  {i}: {r['job']}\n" for i, r in enumerate(records))
+        + markdown_table(headers, md_rows)
+        + "\n\njobs:\n"
+        + "".join(f"  {i}: {r['job']}\n" for i, r in enumerate(records))
     )
     (sweep_dir / "summary.md").write_text(text)
     with open(sweep_dir / "summary.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["job", "status", *keys, *metric_names, "time_s", "error"])
         for r in records:
-            writer.writerow([r["job"], r["status"], *[r["overrides"].get(k, "") for k in keys],
-                             *[fmt(r["metrics"].get(m)) for m in metric_names], fmt(r["time_s"]), r["error"] or ""])
+            writer.writerow(
+                [
+                    r["job"],
+                    r["status"],
+                    *[r["overrides"].get(k, "") for k in keys],
+                    *[fmt(r["metrics"].get(m)) for m in metric_names],
+                    fmt(r["time_s"]),
+                    r["error"] or "",
+                ]
+            )
     runs = {_label(r, varying, i): r["rows"] for i, r in enumerate(records) if r["rows"]}
     plot = draw_panels(runs, sweep_dir / "curves.png", SWEEP_PANELS) if runs else None
     if echo:
         print(text)
-        print(f"written: {sweep_dir / 'summary.md'}, {sweep_dir / 'summary.csv'}" + (f", {plot}" if plot and plot.exists() else ""))
+        print(
+            f"written: {sweep_dir / 'summary.md'}, {sweep_dir / 'summary.csv'}"
+            + (f", {plot}" if plot and plot.exists() else "")
+        )
     return {"sweep_dir": str(sweep_dir), "jobs": [{k: v for k, v in r.items() if k != "rows"} for r in records]}
 
 
@@ -232,6 +270,9 @@ class SweepSummary(Callback):
 
     def _after_abort(self) -> None:
         if self._unfinished is not None and self._unfinished.is_dir():
-            print("the launcher stopped before every job was back; the summary says what the job dirs say now "
-                  "(run the same command again to resume):", file=sys.stderr)
+            print(
+                "the launcher stopped before every job was back; the summary says what the job dirs say now "
+                "(run the same command again to resume):",
+                file=sys.stderr,
+            )
             write_sweep_summary(self._unfinished)

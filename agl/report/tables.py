@@ -3,6 +3,7 @@
 Nothing here imports torch or the store: ``report=`` and sweep summaries format their tables
 without loading a model.
 """
+
 from __future__ import annotations
 
 import math
@@ -14,7 +15,11 @@ def fmt(value: Any, digits: int = 4) -> str:
     if isinstance(value, float):
         if math.isnan(value):
             return "nan"
-        return f"{value:.{digits}g}" if abs(value) >= 1e4 or (value and abs(value) < 1e-3) else f"{value:.{digits}f}".rstrip("0").rstrip(".") or "0"
+        return (
+            f"{value:.{digits}g}"
+            if abs(value) >= 1e4 or (value and abs(value) < 1e-3)
+            else f"{value:.{digits}f}".rstrip("0").rstrip(".") or "0"
+        )
     return "" if value is None else str(value)
 
 
@@ -43,8 +48,10 @@ def vs_base(row: dict, key: str) -> str | None:
     """The paired comparison with the baseline in ``row``, e.g. "0.01 -> 0.05 (+6 -2, p=0.29)"."""
     if f"{key}_p" not in row:
         return None
-    return (f"{fmt(row[key + '_base'])} -> {fmt(row[key])} (+{int(row[key + '_gained'])} -{int(row[key + '_lost'])}, "
-            f"p={fmt(row[key + '_p'])})")
+    return (
+        f"{fmt(row[key + '_base'])} -> {fmt(row[key])} (+{int(row[key + '_gained'])} -{int(row[key + '_lost'])}, "
+        f"p={fmt(row[key + '_p'])})"
+    )
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

@@ -1,6 +1,7 @@
 """Sampled tokens to the text a client gets: incremental UTF-8-safe decoding, stop tokens and stop strings,
 and the hold-back that streaming needs.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,12 +37,12 @@ class IncrementalDecoder:
     def _advance(self, final: bool) -> str:
         if self._read == len(self.ids):
             return ""
-        before = decode(self.tokenizer, self.ids[self._prefix:self._read])
-        after = decode(self.tokenizer, self.ids[self._prefix:])
+        before = decode(self.tokenizer, self.ids[self._prefix : self._read])
+        after = decode(self.tokenizer, self.ids[self._prefix :])
         if len(after) <= len(before) or (after.endswith("\ufffd") and not final):
             return ""
         self._prefix, self._read = self._read, len(self.ids)
-        return after[len(before):]
+        return after[len(before) :]
 
 
 @dataclasses.dataclass
@@ -64,7 +65,13 @@ class OutputAssembler:
       is clear it is not.
     """
 
-    def __init__(self, tokenizer: Any, stop_strings: Sequence[str] = (), stop_token_ids: Iterable[int] = (), top_logprobs: bool = False):
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop_strings: Sequence[str] = (),
+        stop_token_ids: Iterable[int] = (),
+        top_logprobs: bool = False,
+    ):
         self.decoder = IncrementalDecoder(tokenizer)
         self.stop_strings = list(stop_strings)
         self.stop_token_ids = frozenset(stop_token_ids)
@@ -121,7 +128,7 @@ class OutputAssembler:
         text yet (half a character, held-back text) wait for the delta that shows their text.
         """
         end = len(self.text) if (final or self.finished) else max(self._released_chars, len(self.text) - self.holdback)
-        text = self.text[self._released_chars:end]
+        text = self.text[self._released_chars : end]
         if not text and not final:
             return Delta("", [], [], [] if self.top_logprobs is not None else None)
         tokens = slice(self._released_tokens, len(self.token_ids))

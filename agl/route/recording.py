@@ -14,6 +14,7 @@ can start its prompt with an earlier call's exact ids (``agl.route.rendering.ren
 not in memory, evicted or after a restart, gets its turns back from its spans), and the
 Responses API's stored responses (``ResponseStore``), for ``previous_response_id``.
 """
+
 from __future__ import annotations
 
 import collections
@@ -71,7 +72,14 @@ class Call:
 class Recorder:
     """Spans of finished calls into ``store``; the turns of each attempt for prefix reuse."""
 
-    def __init__(self, store: Any, policy: Any, record_unscoped: bool = False, frozen_names: Sequence[str] = (), history: History | None = None):
+    def __init__(
+        self,
+        store: Any,
+        policy: Any,
+        record_unscoped: bool = False,
+        frozen_names: Sequence[str] = (),
+        history: History | None = None,
+    ):
         if record_unscoped and store is None:
             raise ValueError("record_unscoped needs a store to record into")
         self.store = store
@@ -89,10 +97,16 @@ class Recorder:
         turns = self.history.get(scope)
         if turns is None:
             calls = [
-                s for s in await self.store.query_spans(*scope)
-                if s.name == "llm.chat" and s.prompt_token_ids and s.response_token_ids is not None and s.attributes.get("trainable", True)
+                s
+                for s in await self.store.query_spans(*scope)
+                if s.name == "llm.chat"
+                and s.prompt_token_ids
+                and s.response_token_ids is not None
+                and s.attributes.get("trainable", True)
             ]
-            turns = [turn_of(self.policy.tokenizer, s) for s in calls[-self.history.turns_per_attempt:]]  # the last chat turns
+            turns = [
+                turn_of(self.policy.tokenizer, s) for s in calls[-self.history.turns_per_attempt :]
+            ]  # the last chat turns
             self.history.load(scope, turns)
         return turns
 
@@ -145,8 +159,12 @@ class Recorder:
                 response_logprobs=out.logprobs,
             )
             await self.store.add_span(span)
-            if call.kind == "chat" and call.scope is not None and not frozen:  # a helper's turns would crowd out the policy's
-                self.history.add(call.scope, Turn(call.prompt_ids, out.token_ids, prompt_text, call.forced_text + out.text))
+            if (
+                call.kind == "chat" and call.scope is not None and not frozen
+            ):  # a helper's turns would crowd out the policy's
+                self.history.add(
+                    call.scope, Turn(call.prompt_ids, out.token_ids, prompt_text, call.forced_text + out.text)
+                )
         if call.scope is None:
             await self.store.update_attempt(rollout_id, attempt_id, status="succeeded")
 
@@ -160,14 +178,23 @@ def _request(call: Call) -> dict:
         "top_p": req.top_p,
         "n": req.n,
         "seed": call.seed,
-        "seed_from": "request" if req.seed is not None else "derived" if call.seed is not None else "engine",  # engine: its shared generator (unscoped)
+        "seed_from": "request"
+        if req.seed is not None
+        else "derived"
+        if call.seed is not None
+        else "engine",  # engine: its shared generator (unscoped)
         "stop": req.stop_strings,
         "top_logprobs": req.n_top_logprobs,
         "ignore_eos": req.ignore_eos,
     }
     if call.kind != "chat":
         return {"prompt": req.prompt, "sampling": sampling}
-    request = {"messages": [m.model_dump(exclude_none=True) for m in req.messages], "tools": call.tools, "tool_choice": req.tool_choice_json, "sampling": sampling}
+    request = {
+        "messages": [m.model_dump(exclude_none=True) for m in req.messages],
+        "tools": call.tools,
+        "tool_choice": req.tool_choice_json,
+        "sampling": sampling,
+    }
     if call.api_request is not None:
         request["responses"] = call.api_request
     return request
@@ -176,8 +203,12 @@ def _request(call: Call) -> dict:
 def turn_of(tokenizer: Any, span: Span) -> Turn:
     """The turn a recorded chat span was: its reply text is its forced tokens' text + the returned text."""
     forced = span.attributes.get("forced_tokens") or 0
-    reply = (decode(tokenizer, span.prompt_token_ids[-forced:]) if forced else "") + (span.attributes.get("response_text") or "")
-    return Turn(list(span.prompt_token_ids), list(span.response_token_ids), decode(tokenizer, span.prompt_token_ids), reply)
+    reply = (decode(tokenizer, span.prompt_token_ids[-forced:]) if forced else "") + (
+        span.attributes.get("response_text") or ""
+    )
+    return Turn(
+        list(span.prompt_token_ids), list(span.response_token_ids), decode(tokenizer, span.prompt_token_ids), reply
+    )
 
 
 def timings(call: Call, stream: SequenceStream) -> dict:

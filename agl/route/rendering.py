@@ -8,6 +8,7 @@ policy never produced. ``render_prompt`` therefore starts the prompt with an ear
 exact prompt + response ids whenever the rendered conversation text starts with their
 decoded text, and tokenizes only the rest.
 """
+
 from __future__ import annotations
 
 import collections
@@ -47,7 +48,11 @@ def template_messages(messages: Iterable[Message]) -> list[dict]:
             item["tool_call_id"] = message.tool_call_id
         if message.tool_calls:
             item["tool_calls"] = [
-                {"id": call.id, "type": "function", "function": {"name": call.function.name, "arguments": json_or_str(call.function.arguments)}}
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": json_or_str(call.function.arguments)},
+                }
                 for call in message.tool_calls
             ]
         out.append(item)
@@ -77,7 +82,9 @@ class History:
     back to its spans in the store. The choices of one call share their prompt lists.
     """
 
-    def __init__(self, max_attempts: int = ServerConfig.history_attempts, turns_per_attempt: int = ServerConfig.history_turns):
+    def __init__(
+        self, max_attempts: int = ServerConfig.history_attempts, turns_per_attempt: int = ServerConfig.history_turns
+    ):
         self.max_attempts = max_attempts
         self.turns_per_attempt = turns_per_attempt
         self._attempts: collections.OrderedDict[Any, collections.deque[Turn]] = collections.OrderedDict()
@@ -142,7 +149,7 @@ def _match_turn(tokenizer: Any, turn: Turn, text: str) -> tuple[list[int], int] 
     """
     if not text.startswith(turn.prompt_text):
         return None
-    rest = text[len(turn.prompt_text):]
+    rest = text[len(turn.prompt_text) :]
     response = turn.response_ids
 
     def covers(k: int) -> bool:

@@ -11,6 +11,7 @@ Extensions beyond OpenAI (the same names vLLM uses):
 
 The response side (what the route answers) is ``agl.route.response_models``.
 """
+
 from __future__ import annotations
 
 import json
@@ -18,7 +19,17 @@ import re
 from collections.abc import Callable, Sequence
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 MAX_N = 64  # choices per request; the engine's batch is the real bound (checked by the server)
 MAX_STOP_STRINGS = 16
@@ -30,7 +41,14 @@ SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 class APIError(Exception):
     """An error answered to the client in OpenAI's format; raised anywhere in request handling."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None, code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
 
@@ -57,7 +75,9 @@ def conflict(message: str, code: str = "conflict") -> APIError:
 def model_not_found(model: str, served: Sequence[str]) -> APIError:
     """OpenAI's answer to a model name it does not serve; ours also names the ones it does."""
     names = ", ".join(f"'{name}'" for name in served)
-    message = f"The model '{model}' does not exist on this route, which serves {names} (an agent gets the name as llm.model)."
+    message = (
+        f"The model '{model}' does not exist on this route, which serves {names} (an agent gets the name as llm.model)."
+    )
     return APIError(404, message, "invalid_request_error", "model", "model_not_found")
 
 
@@ -86,7 +106,9 @@ def parse_request(model: type[BaseModel], raw: bytes) -> Any:
         try:
             json.dumps(body, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError:
-            raise bad_request("The request contains an unpaired UTF-16 surrogate (invalid Unicode).", code="invalid_unicode") from None
+            raise bad_request(
+                "The request contains an unpaired UTF-16 surrogate (invalid Unicode).", code="invalid_unicode"
+            ) from None
     try:
         return model.model_validate(body)
     except ValidationError as exc:
@@ -120,11 +142,17 @@ def text_parts_only(content: Any, text_kinds: tuple[str, ...] = ("text",)) -> An
             if not isinstance(kind, str):  # no type, or junk: the part's own schema says what is wrong
                 continue
             if kind in IMAGE_PARTS:
-                raise ValueError(f"Images are not supported: this model reads text only (content part of type '{kind}').")
+                raise ValueError(
+                    f"Images are not supported: this model reads text only (content part of type '{kind}')."
+                )
             if kind in OTHER_MEDIA_PARTS:
-                raise ValueError(f"{OTHER_MEDIA_PARTS[kind]} are not supported: this model reads text only (content part of type '{kind}').")
+                raise ValueError(
+                    f"{OTHER_MEDIA_PARTS[kind]} are not supported: this model reads text only (content part of type '{kind}')."
+                )
             if kind not in text_kinds:
-                raise ValueError(f"Content parts of type '{kind}' are not supported: this model reads text only ({', '.join(text_kinds)}).")
+                raise ValueError(
+                    f"Content parts of type '{kind}' are not supported: this model reads text only ({', '.join(text_kinds)})."
+                )
     return content
 
 
@@ -308,9 +336,16 @@ class ChatCompletionRequest(_SamplingRequest):
     def _choice_shape(cls, value: Any) -> Any:
         def named(choice: dict) -> bool:
             function = choice.get("function")
-            return isinstance(function, dict) and choice.get("type") == "function" and isinstance(function.get("name"), str) and bool(function["name"])
+            return (
+                isinstance(function, dict)
+                and choice.get("type") == "function"
+                and isinstance(function.get("name"), str)
+                and bool(function["name"])
+            )
 
-        return tool_choice_shape(value, named, 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+        return tool_choice_shape(
+            value, named, 'must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+        )
 
     @field_validator("tool_choice")
     @classmethod

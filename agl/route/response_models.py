@@ -16,6 +16,7 @@ Cost: a streamed chat chunk, built and serialized, takes 23 us as models against
 hand-built dict it replaced (pydantic 2.14, this 2-core CPU). At the route's best measured rate,
 315 tokens/s with 32 clients (``bench/results/serve.md``), that is 0.5% of one core.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,7 +48,9 @@ class Wire(BaseModel):
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
         super().__pydantic_init_subclass__(**kwargs)
-        cls._omitted = frozenset(name for name, field in cls.model_fields.items() if any(m is _OMIT for m in field.metadata))
+        cls._omitted = frozenset(
+            name for name, field in cls.model_fields.items() if any(m is _OMIT for m in field.metadata)
+        )
 
     @model_serializer(mode="wrap")
     def _leave_out_omitted(self, handler: Any) -> dict:
@@ -105,7 +108,10 @@ def chat_logprobs(tokenizer: Any, delta: Delta) -> ChatLogprobs:
     tops = delta.top_logprobs or [[] for _ in delta.token_ids]
     return ChatLogprobs(
         content=[
-            TokenLogprob(**_entry(tokenizer, tid, lp), top_logprobs=[TopLogprob(**_entry(tokenizer, alt, alp)) for alt, alp in top])
+            TokenLogprob(
+                **_entry(tokenizer, tid, lp),
+                top_logprobs=[TopLogprob(**_entry(tokenizer, alt, alp)) for alt, alp in top],
+            )
             for tid, lp, top in zip(delta.token_ids, delta.logprobs, tops)
         ]
     )
@@ -121,7 +127,9 @@ def completion_logprobs(tokenizer: Any, delta: Delta, with_top: bool) -> Complet
     return CompletionLogprobs(
         tokens=texts,
         token_logprobs=[_finite(lp) for lp in delta.logprobs],
-        top_logprobs=[{decode(tokenizer, [tid]): _finite(alp) for tid, alp in top} for top in tops] if with_top else None,
+        top_logprobs=[{decode(tokenizer, [tid]): _finite(alp) for tid, alp in top} for top in tops]
+        if with_top
+        else None,
         text_offset=offsets,
     )
 
@@ -136,7 +144,11 @@ class Usage(Wire):
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
-        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
 
 
 class ChatMessage(Wire):
@@ -251,7 +263,11 @@ class Answer:
         self.chat = call.kind == "chat"
         self.tokenizer = tokenizer
         self.with_ids = call.req.return_token_ids
-        self.head = {"id": ("chatcmpl-" if self.chat else "cmpl-") + call.id, "created": int(call.received_wall), "model": model}
+        self.head = {
+            "id": ("chatcmpl-" if self.chat else "cmpl-") + call.id,
+            "created": int(call.received_wall),
+            "model": model,
+        }
         self._held: dict[int, Delta] = {}  # per choice: tokens whose text the tool parser holds back
 
     def usage(self) -> Usage:
@@ -261,18 +277,28 @@ class Answer:
         choices = []
         for choice in self.call.choices:
             out = choice.out
-            common = self._common(choice, Delta(choice.content or "", out.token_ids, out.logprobs, out.top_logprobs), choice.finish_reason)
+            common = self._common(
+                choice, Delta(choice.content or "", out.token_ids, out.logprobs, out.top_logprobs), choice.finish_reason
+            )
             if self.chat:
-                choices.append(ChatChoice(message=ChatMessage(content=choice.content, tool_calls=choice.tool_calls or None), **common))
+                choices.append(
+                    ChatChoice(
+                        message=ChatMessage(content=choice.content, tool_calls=choice.tool_calls or None), **common
+                    )
+                )
             else:
                 choices.append(TextChoice(text=out.text, **common))
         prompt_ids = self.call.prompt_ids if self.with_ids else None
-        return (ChatCompletion if self.chat else Completion)(**self.head, choices=choices, usage=self.usage(), prompt_token_ids=prompt_ids)
+        return (ChatCompletion if self.chat else Completion)(
+            **self.head, choices=choices, usage=self.usage(), prompt_token_ids=prompt_ids
+        )
 
     def opening(self, choice: Choice) -> ChatCompletionChunk | CompletionChunk:
         return self._chunk(choice, None, None)
 
-    def chunks(self, choice: Choice, tokens: Delta, parsed: list[dict] | None = None) -> list[ChatCompletionChunk | CompletionChunk]:
+    def chunks(
+        self, choice: Choice, tokens: Delta, parsed: list[dict] | None = None
+    ) -> list[ChatCompletionChunk | CompletionChunk]:
         """The chunks of ``tokens``: one, or one per delta the tool parser ``parsed`` from their text."""
         if choice.tools is None:
             return [self._chunk(choice, tokens, None)]
@@ -281,35 +307,52 @@ class Answer:
         if not parsed:
             self._held[choice.index] = tokens
             return []
-        return [self._chunk(choice, tokens if i == 0 else _no_tokens(tokens), None, message) for i, message in enumerate(parsed)]
+        return [
+            self._chunk(choice, tokens if i == 0 else _no_tokens(tokens), None, message)
+            for i, message in enumerate(parsed)
+        ]
 
     def last(self, choice: Choice, final: Delta) -> ChatCompletionChunk | CompletionChunk:
         """A choice's last chunk, with its finish reason (parsed: an empty delta, with the tokens held back)."""
         if choice.tools is None:
             return self._chunk(choice, final, choice.finish_reason)
-        return self._chunk(choice, self._held.pop(choice.index, None) or _no_tokens(final), choice.finish_reason, message={})
+        return self._chunk(
+            choice, self._held.pop(choice.index, None) or _no_tokens(final), choice.finish_reason, message={}
+        )
 
     def usage_chunk(self) -> ChatCompletionChunk | CompletionChunk:
         return (ChatCompletionChunk if self.chat else CompletionChunk)(**self.head, choices=[], usage=self.usage())
 
-    def _chunk(self, choice: Choice, tokens: Delta | None, finish_reason: str | None, message: dict | None = None) -> ChatCompletionChunk | CompletionChunk:
+    def _chunk(
+        self, choice: Choice, tokens: Delta | None, finish_reason: str | None, message: dict | None = None
+    ) -> ChatCompletionChunk | CompletionChunk:
         """``tokens=None``: the opening chunk of a choice. ``message``: the chat delta, if not ``{"content": tokens.text}``."""
         common = self._common(choice, tokens, finish_reason)
         prompt_ids = self.call.prompt_ids if self.with_ids and tokens is None and choice.index == 0 else None
         if not self.chat:
-            return CompletionChunk(**self.head, prompt_token_ids=prompt_ids, choices=[TextChoice(text=tokens.text if tokens else "", **common)])
+            return CompletionChunk(
+                **self.head,
+                prompt_token_ids=prompt_ids,
+                choices=[TextChoice(text=tokens.text if tokens else "", **common)],
+            )
         if tokens is None:
             delta = ChatDelta(role="assistant", content="")
         else:
             delta = ChatDelta(content=tokens.text) if message is None else ChatDelta.model_validate(message)
-        return ChatCompletionChunk(**self.head, prompt_token_ids=prompt_ids, choices=[ChatChunkChoice(delta=delta, **common)])
+        return ChatCompletionChunk(
+            **self.head, prompt_token_ids=prompt_ids, choices=[ChatChunkChoice(delta=delta, **common)]
+        )
 
     def _common(self, choice: Choice, tokens: Delta | None, finish_reason: str | None) -> dict:
         """A choice's fields besides its text: logprobs of ``tokens`` (if asked for), finish reason, token ids."""
         logprobs = None
         if tokens is not None and self.call.req.wants_logprobs:
             with_top = bool(self.call.req.n_top_logprobs)
-            logprobs = chat_logprobs(self.tokenizer, tokens) if self.chat else completion_logprobs(self.tokenizer, tokens, with_top)
+            logprobs = (
+                chat_logprobs(self.tokenizer, tokens)
+                if self.chat
+                else completion_logprobs(self.tokenizer, tokens, with_top)
+            )
         token_ids = (tokens.token_ids if tokens else []) if self.with_ids else None
         return {"index": choice.index, "logprobs": logprobs, "finish_reason": finish_reason, "token_ids": token_ids}
 
@@ -362,7 +405,9 @@ class ResponseUsage(Wire):
 
     @classmethod
     def of(cls, prompt_tokens: int, completion_tokens: int) -> ResponseUsage:
-        return cls(input_tokens=prompt_tokens, output_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)
+        return cls(
+            input_tokens=prompt_tokens, output_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+        )
 
 
 class IncompleteDetails(Wire):
@@ -507,19 +552,27 @@ class OutputBuilder:
         if self._logprobs is not None:
             part.logprobs += logprobs
         head = {"item_id": self._open.id, "output_index": self._index()}
-        return events + [_TextEvent(type="response.output_text.delta", **head, delta=text, logprobs=logprobs if self._logprobs else []).model_dump()]
+        return events + [
+            _TextEvent(
+                type="response.output_text.delta", **head, delta=text, logprobs=logprobs if self._logprobs else []
+            ).model_dump()
+        ]
 
     def _open_message(self) -> list[dict]:
         item = self._opened(OutputMessage(id=new_id("msg")))
         added = _ItemEvent(type="response.output_item.added", output_index=self._index(), item=item).model_dump()
         item.content.append(OutputText())
-        part = _TextEvent(type="response.content_part.added", item_id=item.id, output_index=self._index(), part=item.content[0])
+        part = _TextEvent(
+            type="response.content_part.added", item_id=item.id, output_index=self._index(), part=item.content[0]
+        )
         return [added, part.model_dump()]
 
     def _open_call(self, call_id: str, name: str) -> list[dict]:
         events = self._close()
         item = self._opened(OutputFunctionCall(id=new_id("fc"), call_id=call_id, name=name))
-        return events + [_ItemEvent(type="response.output_item.added", output_index=self._index(), item=item).model_dump()]
+        return events + [
+            _ItemEvent(type="response.output_item.added", output_index=self._index(), item=item).model_dump()
+        ]
 
     def _opened(self, item: OutputItem) -> OutputItem:
         self.output.append(item)
@@ -528,7 +581,12 @@ class OutputBuilder:
 
     def _arguments(self, fragment: str) -> list[dict]:
         self._open.arguments += fragment
-        event = _ArgumentsEvent(type="response.function_call_arguments.delta", item_id=self._open.id, output_index=self._index(), delta=fragment)
+        event = _ArgumentsEvent(
+            type="response.function_call_arguments.delta",
+            item_id=self._open.id,
+            output_index=self._index(),
+            delta=fragment,
+        )
         return [event.model_dump()]
 
     def _close(self, status: str = "completed") -> list[dict]:
@@ -544,6 +602,10 @@ class OutputBuilder:
                 _TextEvent(type="response.content_part.done", **head, part=part),
             ]
         else:
-            events = [_ArgumentsEvent(type="response.function_call_arguments.done", **head, name=item.name, arguments=item.arguments)]
+            events = [
+                _ArgumentsEvent(
+                    type="response.function_call_arguments.done", **head, name=item.name, arguments=item.arguments
+                )
+            ]
         events.append(_ItemEvent(type="response.output_item.done", output_index=self._index(), item=item))
         return [event.model_dump() for event in events]

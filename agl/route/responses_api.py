@@ -33,6 +33,7 @@ A reply cut by ``max_output_tokens`` makes the response (and its last item) ``in
 Logprobs (``include: ["message.output_text.logprobs"]``) cover the tokens that wrote the text;
 the span has every sampled token's.
 """
+
 from __future__ import annotations
 
 import json
@@ -140,7 +141,10 @@ class FunctionTool(_Lenient):
     strict: Optional[bool] = None
 
     def chat(self) -> Tool:
-        return Tool(type="function", function=FunctionDef(name=self.name, description=self.description, parameters=self.parameters))
+        return Tool(
+            type="function",
+            function=FunctionDef(name=self.name, description=self.description, parameters=self.parameters),
+        )
 
 
 class FunctionChoice(_Lenient):
@@ -193,7 +197,9 @@ class ResponsesRequest(_Lenient):
         for tool in value if isinstance(value, list) else []:
             kind = tool.get("type") if isinstance(tool, dict) else None
             if kind != "function":
-                raise ValueError(f"only tools of type 'function' are supported (got {kind!r}): this route runs no built-in tools")
+                raise ValueError(
+                    f"only tools of type 'function' are supported (got {kind!r}): this route runs no built-in tools"
+                )
         return value
 
     @field_validator("tool_choice", mode="before")
@@ -293,14 +299,24 @@ def chat_messages(instructions: str | None, items: list[Item], first_new: int = 
             if isinstance(item, MessageItem):
                 assistant["content"] += item.text()
             else:
-                assistant["tool_calls"].append({"id": item.call_id, "type": "function", "function": {"name": item.name, "arguments": item.arguments}})
+                assistant["tool_calls"].append(
+                    {
+                        "id": item.call_id,
+                        "type": "function",
+                        "function": {"name": item.name, "arguments": item.arguments},
+                    }
+                )
                 calls.add(item.call_id)
             continue
         assistant = None
         if isinstance(item, FunctionCallOutputItem):
             if item.call_id not in calls:
                 where = f"input.{i - first_new}.call_id" if i >= first_new else "previous_response_id"
-                raise bad_request(f"{where}: no function_call with call_id '{item.call_id}' comes before this output.", param=where, code="invalid_value")
+                raise bad_request(
+                    f"{where}: no function_call with call_id '{item.call_id}' comes before this output.",
+                    param=where,
+                    code="invalid_value",
+                )
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
         else:
             messages.append({"role": item.role, "content": item.text()})
@@ -317,7 +333,11 @@ def to_chat_request(req: ResponsesRequest, items: list[Item], first_new: int = 0
     """The chat pipeline's request for ``req`` over the whole conversation ``items``."""
     messages = chat_messages(req.instructions, items, first_new)
     if not messages:
-        raise bad_request("input: there is nothing to respond to (give 'input' or 'instructions').", param="input", code="invalid_value")
+        raise bad_request(
+            "input: there is nothing to respond to (give 'input' or 'instructions').",
+            param="input",
+            code="invalid_value",
+        )
     tools = list(req.tools or [])
     choice: Any = req.tool_choice
     if isinstance(choice, FunctionChoice):
@@ -326,7 +346,11 @@ def to_chat_request(req: ResponsesRequest, items: list[Item], first_new: int = 0
         names = [t.name for t in tools]
         missing = [t.name for t in choice.tools if t.name not in names]
         if missing:
-            raise bad_request(f"tool_choice: allowed tool '{missing[0]}' is not in 'tools' ({', '.join(names) or 'none'}).", param="tool_choice", code="invalid_value")
+            raise bad_request(
+                f"tool_choice: allowed tool '{missing[0]}' is not in 'tools' ({', '.join(names) or 'none'}).",
+                param="tool_choice",
+                code="invalid_value",
+            )
         allowed = {t.name for t in choice.tools}
         tools, choice = [t for t in tools if t.name in allowed], choice.mode
     body = {

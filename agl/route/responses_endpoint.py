@@ -6,6 +6,7 @@ goes back as output items, streamed as Responses events or not. Stored responses
 default) stay in memory, the last ``server.stored_responses``, for ``previous_response_id`` and
 ``GET``/``DELETE /v1/responses/{id}``, on the route that made them.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -70,12 +71,20 @@ class ResponsesEndpoint:
         response_id = new_id("resp")
         try:
             call = await self.server._chat_call(chat_req, scope, seed, received_at, received_wall)
-            call.api_request = {"api": "responses", "id": response_id, "previous_response_id": req.previous_response_id, "metadata": req.metadata, "store": req.store is not False}
+            call.api_request = {
+                "api": "responses",
+                "id": response_id,
+                "previous_response_id": req.previous_response_id,
+                "metadata": req.metadata,
+                "store": req.store is not False,
+            }
             self.server._submit(call)
         except APIError as exc:
             raise responses_api.for_responses(exc) from None
         state = ResponseState(response_id, req, items, int(received_wall))
-        builder = OutputBuilder((lambda delta: chat_logprobs(self.server.policy.tokenizer, delta).content) if chat_req.logprobs else None)
+        builder = OutputBuilder(
+            (lambda delta: chat_logprobs(self.server.policy.tokenizer, delta).content) if chat_req.logprobs else None
+        )
         if req.stream:
             return StreamingResponse(self._sse(call, state, builder), media_type="text/event-stream")
         try:
@@ -97,7 +106,9 @@ class ResponsesEndpoint:
             raise responses_api.not_stored(response_id, None)
         return DeletedResponse(id=response_id).model_dump()
 
-    async def _run(self, call: Call, builder: OutputBuilder, emit: Callable[[list[dict]], Awaitable[None]] | None = None) -> None:
+    async def _run(
+        self, call: Call, builder: OutputBuilder, emit: Callable[[list[dict]], Awaitable[None]] | None = None
+    ) -> None:
         """Run a Responses call's one choice, building its output items; ``emit`` gets the stream events."""
         choice = call.choices[0]
 
@@ -125,12 +136,20 @@ class ResponsesEndpoint:
         await self.server.recorder.record(call)
         completed = call.choices[0].finish_reason != "length"
         response = responses_api.response_object(
-            state.id, state.req, self.server._served_name(state.req.model), state.created_at, "completed" if completed else "incomplete", builder.output,
-            (len(call.prompt_ids), call.completion_tokens), completed_at=int(time.time()) if completed else None,
+            state.id,
+            state.req,
+            self.server._served_name(state.req.model),
+            state.created_at,
+            "completed" if completed else "incomplete",
+            builder.output,
+            (len(call.prompt_ids), call.completion_tokens),
+            completed_at=int(time.time()) if completed else None,
         )
         if state.req.store is not False:
             body = response.model_dump()
-            self.stored.put(state.id, StoredResponse(call.scope, state.items, responses_api.output_items(body["output"]), body))
+            self.stored.put(
+                state.id, StoredResponse(call.scope, state.items, responses_api.output_items(body["output"]), body)
+            )
         return response
 
     async def _sse(self, call: Call, state: ResponseState, builder: OutputBuilder) -> AsyncIterator[str]:
@@ -142,10 +161,14 @@ class ResponsesEndpoint:
             return f"event: {body['type']}\n{sse_line(body)}"
 
         try:
-            opening = responses_api.response_object(state.id, state.req, self.server._served_name(state.req.model), state.created_at, "in_progress", [])
+            opening = responses_api.response_object(
+                state.id, state.req, self.server._served_name(state.req.model), state.created_at, "in_progress", []
+            )
             yield event(ResponseEvent(type="response.created", response=opening))
             yield event(ResponseEvent(type="response.in_progress", response=opening))
-            async with contextlib.aclosing(interleaved([functools.partial(self._run_response, call, builder)])) as batches:
+            async with contextlib.aclosing(
+                interleaved([functools.partial(self._run_response, call, builder)])
+            ) as batches:
                 async for batch in batches:
                     for body in batch:
                         yield event(body)
@@ -155,6 +178,10 @@ class ResponsesEndpoint:
             yield event(ErrorEvent(code=exc.code or exc.type, message=exc.message, param=exc.param))
         except Exception as exc:
             log.exception("unexpected error while streaming a response")
-            yield event(ErrorEvent(code="server_error", message=f"Internal server error: {type(exc).__name__}: {exc}", param=None))
+            yield event(
+                ErrorEvent(
+                    code="server_error", message=f"Internal server error: {type(exc).__name__}: {exc}", param=None
+                )
+            )
         finally:
             call.choices[0].stream.cancel()

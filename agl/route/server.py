@@ -55,6 +55,7 @@ Choices worth knowing:
   - A client that disconnects cancels its sequences; nothing is recorded for it.
   - With ``api_key`` set, every route but ``GET /health`` needs ``Authorization: Bearer <key>``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -134,7 +135,9 @@ class ModelServer:
         frozen: Mapping[str, Any] | None = None,
         record_unscoped: bool = False,
     ):
-        config = typed(ServerConfig, config or {})  # server.*: host, port, api_key, default_max_tokens, history and response store sizes
+        config = typed(
+            ServerConfig, config or {}
+        )  # server.*: host, port, api_key, default_max_tokens, history and response store sizes
         self.engine = engine
         self.policy = policy
         self.store = store
@@ -147,8 +150,16 @@ class ModelServer:
         self.frozen = dict(frozen or {})
         # what requests may name in `model`: the policy, its frozen helpers, and names registered for the policy
         self.model_names = tuple(dict.fromkeys([policy.name, *self.frozen, *model_names]))
-        self.recorder = Recorder(store, policy, record_unscoped, frozen_names=self.frozen, history=History(config.history_attempts, config.history_turns))
-        self.responses = ResponsesEndpoint(self, config.stored_responses)  # /v1/responses (agl.route.responses_endpoint)
+        self.recorder = Recorder(
+            store,
+            policy,
+            record_unscoped,
+            frozen_names=self.frozen,
+            history=History(config.history_attempts, config.history_turns),
+        )
+        self.responses = ResponsesEndpoint(
+            self, config.stored_responses
+        )  # /v1/responses (agl.route.responses_endpoint)
         self.call_numbers = CallCounter()
         self.app = self._build_app()
         self._server: _EmbeddedUvicorn | None = None
@@ -177,7 +188,9 @@ class ModelServer:
         sock.bind((self.host, self.port))
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5)
+        config = uvicorn.Config(
+            self.app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
+        )
         self._server = _EmbeddedUvicorn(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="agl-model-server")
         while not self._server.started:
@@ -225,7 +238,9 @@ class ModelServer:
         @app.exception_handler(Exception)
         async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
             log.exception("unexpected error serving %s", request.url.path)
-            return JSONResponse(error_body(f"Internal server error: {type(exc).__name__}: {exc}", "server_error"), status_code=500)
+            return JSONResponse(
+                error_body(f"Internal server error: {type(exc).__name__}: {exc}", "server_error"), status_code=500
+            )
 
         return app
 
@@ -245,7 +260,9 @@ class ModelServer:
         }
 
     async def _models(self) -> dict:
-        return ModelList(data=[ModelCard(id=name, max_model_len=self.policy.context_length) for name in self.model_names]).model_dump()
+        return ModelList(
+            data=[ModelCard(id=name, max_model_len=self.policy.context_length) for name in self.model_names]
+        ).model_dump()
 
     # ------------------------------------------------------------------ endpoints
 
@@ -258,7 +275,12 @@ class ModelServer:
         return await self._generate(request, call)
 
     async def _chat_call(
-        self, req: ChatCompletionRequest, scope: tuple[str, str] | None, seed: int | None, received_at: float, received_wall: float
+        self,
+        req: ChatCompletionRequest,
+        scope: tuple[str, str] | None,
+        seed: int | None,
+        received_at: float,
+        received_wall: float,
     ) -> Call:
         """A chat request rendered to prompt ids (tool prompt, exact prefixes, forced reply start)."""
         use_tools = bool(req.tools) and req.tool_choice != "none"
@@ -267,7 +289,10 @@ class ModelServer:
         turns = await self.recorder.turns(scope) if scope and req.model not in self.frozen else ()
         template = tool_prompt.MODEL
         if tool_prompt.needs_builtin(self.policy.supports_tools, messages, tools):
-            messages, template = tool_prompt.builtin_messages(messages, tools, [t.reply_text for t in turns]), tool_prompt.BUILTIN
+            messages, template = (
+                tool_prompt.builtin_messages(messages, tools, [t.reply_text for t in turns]),
+                tool_prompt.BUILTIN,
+            )
         try:
             prompt = render_prompt(self.policy, messages, tools if template == tool_prompt.MODEL else None, turns)
         except Exception as exc:  # jinja errors: roles that must alternate, missing fields, ...
@@ -275,8 +300,18 @@ class ModelServer:
         forced_text = tool_prompt.forced_prefix(req.tool_choice_json) if use_tools else ""
         forced = self.policy.tokenizer.encode(forced_text, add_special_tokens=False) if forced_text else []
         return Call(
-            "chat", req, prompt.ids + forced, scope, tools, prompt.reused, seed, received_at, received_wall,
-            template=template, forced_ids=forced, forced_text=decode(self.policy.tokenizer, forced),
+            "chat",
+            req,
+            prompt.ids + forced,
+            scope,
+            tools,
+            prompt.reused,
+            seed,
+            received_at,
+            received_wall,
+            template=template,
+            forced_ids=forced,
+            forced_text=decode(self.policy.tokenizer, forced),
         )
 
     async def _completions(self, request: Request) -> Response:
@@ -289,7 +324,9 @@ class ModelServer:
         else:
             vocab = len(self.policy.tokenizer)
             if max(req.prompt) >= vocab:
-                raise bad_request(f"Token id {max(req.prompt)} is out of range (vocabulary size {vocab}).", param="prompt")
+                raise bad_request(
+                    f"Token id {max(req.prompt)} is out of range (vocabulary size {vocab}).", param="prompt"
+                )
             prompt_ids = list(req.prompt)
         if not prompt_ids:
             raise bad_request("The prompt is empty.", param="prompt")
@@ -318,9 +355,14 @@ class ModelServer:
         attempts = await self.store.query_attempts(rollout_id)
         attempt = next((a for a in attempts if a.attempt_id == attempt_id), None)
         if attempt is None:
-            raise not_found(f"Attempt '{attempt_id}' of rollout '{rollout_id}' does not exist.", code="attempt_not_found")
+            raise not_found(
+                f"Attempt '{attempt_id}' of rollout '{rollout_id}' does not exist.", code="attempt_not_found"
+            )
         if attempt.status in FINISHED_ATTEMPT_STATUSES:
-            raise conflict(f"Attempt '{attempt_id}' of rollout '{rollout_id}' already finished ({attempt.status}).", code="attempt_finished")
+            raise conflict(
+                f"Attempt '{attempt_id}' of rollout '{rollout_id}' already finished ({attempt.status}).",
+                code="attempt_finished",
+            )
         scope = (rollout_id, attempt_id)
         call_number = self.call_numbers.next(scope)
         if seed is None:
@@ -337,12 +379,22 @@ class ModelServer:
         if req.n > engine.max_batch_size:
             raise bad_request(f"n={req.n} exceeds the engine's batch size ({engine.max_batch_size}).", param="n")
         params = SamplingParams(
-            max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=call.seed, top_logprobs=req.n_top_logprobs, ignore_eos=req.ignore_eos
+            max_tokens=max_tokens,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=call.seed,
+            top_logprobs=req.n_top_logprobs,
+            ignore_eos=req.ignore_eos,
         )
         streams = engine.submit(call.prompt_ids, params, n=req.n)
         tokenizer = self.policy.tokenizer
         call.choices = [
-            Choice(i, s, OutputAssembler(tokenizer, req.stop_strings, s.stop_ids, top_logprobs=params.top_logprobs > 0), tools=ToolCallParser() if call.tools else None)
+            Choice(
+                i,
+                s,
+                OutputAssembler(tokenizer, req.stop_strings, s.stop_ids, top_logprobs=params.top_logprobs > 0),
+                tools=ToolCallParser() if call.tools else None,
+            )
             for i, s in enumerate(streams)
         ]
 
@@ -364,7 +416,9 @@ class ModelServer:
         await self.recorder.record(call)
         return JSONResponse(Answer(call, self._served_name(call.req.model), self.policy.tokenizer).whole().model_dump())
 
-    async def _run_choice(self, call: Call, choice: Choice, on_delta: Callable[[Choice, Delta], Awaitable[None]] | None = None) -> None:
+    async def _run_choice(
+        self, call: Call, choice: Choice, on_delta: Callable[[Choice, Delta], Awaitable[None]] | None = None
+    ) -> None:
         """Consume one sequence's tokens until it ends or a stop string matches."""
         out = choice.out
         async for event in choice.stream:
@@ -380,9 +434,16 @@ class ModelServer:
             await choice.stream.wait()
             out.finish()
         if choice.stream.finish_reason == "error":
-            raise APIError(500, f"The engine failed while generating this reply: {choice.stream.error}", "server_error", code="engine_error")
+            raise APIError(
+                500,
+                f"The engine failed while generating this reply: {choice.stream.error}",
+                "server_error",
+                code="engine_error",
+            )
         if choice.stream.finish_reason == "abort" and not out.stop_matched:
-            raise APIError(503, "The engine stopped before this request finished.", "server_error", code="engine_stopped")
+            raise APIError(
+                503, "The engine stopped before this request finished.", "server_error", code="engine_stopped"
+            )
         choice.finish_reason = "stop" if out.stop_matched else choice.stream.finish_reason
         choice.content = out.text
 
@@ -401,21 +462,29 @@ class ModelServer:
 
         async def run(choice: Choice, put: Callable[[BaseModel], Awaitable[None]]) -> None:
             async def emit(choice: Choice, delta: Delta) -> None:
-                for chunk in answer.chunks(choice, delta, None if choice.tools is None else choice.tools.feed(delta.text)):
+                for chunk in answer.chunks(
+                    choice, delta, None if choice.tools is None else choice.tools.feed(delta.text)
+                ):
                     await put(chunk)
 
             if choice.tools is not None and call.forced_text:  # forced text: its deltas come first
                 await emit(choice, Delta(call.forced_text, [], [], None if choice.out.top_logprobs is None else []))
             await self._run_choice(call, choice, emit)
             final = choice.out.release(final=True)
-            chunks = [] if choice.tools is None else answer.chunks(choice, final, choice.tools.feed(final.text) + self._settle_tools(choice))
+            chunks = (
+                []
+                if choice.tools is None
+                else answer.chunks(choice, final, choice.tools.feed(final.text) + self._settle_tools(choice))
+            )
             for chunk in chunks + [answer.last(choice, final)]:
                 await put(chunk)
 
         try:
             for choice in call.choices:
                 yield sse_line(answer.opening(choice))  # the role / first chunk
-            async with contextlib.aclosing(interleaved([functools.partial(run, choice) for choice in call.choices])) as chunks:
+            async with contextlib.aclosing(
+                interleaved([functools.partial(run, choice) for choice in call.choices])
+            ) as chunks:
                 async for chunk in chunks:
                     yield sse_line(chunk)
             await self.recorder.record(call)
@@ -430,4 +499,3 @@ class ModelServer:
         finally:
             for choice in call.choices:
                 choice.stream.cancel()
-

@@ -1,4 +1,5 @@
 """What the route's endpoints share about HTTP: server-sent events, concurrent choices, disconnects, the scope."""
+
 from __future__ import annotations
 
 import asyncio
@@ -24,7 +25,9 @@ def sse_line(obj: BaseModel | dict) -> str:
     return f"data: {json.dumps(obj.model_dump() if isinstance(obj, BaseModel) else obj, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
-async def interleaved(jobs: Sequence[Callable[[Callable[[Any], Awaitable[None]]], Awaitable[None]]]) -> AsyncIterator[Any]:
+async def interleaved(
+    jobs: Sequence[Callable[[Callable[[Any], Awaitable[None]]], Awaitable[None]]],
+) -> AsyncIterator[Any]:
     """Run ``jobs`` concurrently, each called with a ``put`` for its items; yield the items as they
     come. A job's exception is raised here; closing the iterator cancels the jobs."""
     queue: asyncio.Queue = asyncio.Queue()

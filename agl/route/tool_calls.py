@@ -1,6 +1,7 @@
 """Tool calls in a model's text: ``<tool_call>{"name": ..., "arguments": ...}</tool_call>`` blocks parsed
 whole (``parse_tool_calls``) or while they stream (``ToolCallParser``).
 """
+
 from __future__ import annotations
 
 import json
@@ -15,6 +16,8 @@ def json_or_str(text: str) -> Any:
         return json.loads(text)
     except ValueError:
         return text
+
+
 # A call's JSON up to the first character of its arguments. Once this much has arrived the call
 # is announced (id, name) and its arguments stream as they are written; the lookahead makes the
 # match, and so everything after it, the same however the text was cut into pieces.
@@ -93,7 +96,7 @@ class ToolCallParser:
             tag = CLOSE_TAG if self._in_block else OPEN_TAG
             at = self._buffer.find(tag)
             end = at if at >= 0 else len(self._buffer) - (0 if final else _partial_tag(self._buffer, tag))
-            piece, self._buffer = self._buffer[:end], self._buffer[end + (len(tag) if at >= 0 else 0):]
+            piece, self._buffer = self._buffer[:end], self._buffer[end + (len(tag) if at >= 0 else 0) :]
             if self._in_block:
                 self._body += piece
                 deltas += self._progress()
@@ -111,7 +114,7 @@ class ToolCallParser:
             piece = piece.lstrip()
         text = self._blank + piece
         kept = text.rstrip()
-        self._blank = text[len(kept):]
+        self._blank = text[len(kept) :]
         if not kept:
             return []
         self._content.append(kept)
@@ -139,7 +142,7 @@ class ToolCallParser:
         return self._body[self._args_at] == '"'  # decoded at the end, so not streamed
 
     def _arguments(self) -> str:
-        text = self._body[self._args_at:]
+        text = self._body[self._args_at :]
         return text[: CALL_TAIL.search(text).start()]
 
     def _announce(self, name: str) -> dict:
@@ -148,7 +151,7 @@ class ToolCallParser:
         return {"tool_calls": [{"index": len(self.calls) - 1, **call, "function": dict(call["function"])}]}
 
     def _send_arguments(self, arguments: str) -> list[dict]:
-        fragment = arguments[self._args_sent:]
+        fragment = arguments[self._args_sent :]
         if not fragment:
             return []
         self._args_sent = len(arguments)
@@ -187,4 +190,8 @@ def _tool_call(body: str) -> dict | None:
     arguments = parsed.get("arguments", parsed.get("parameters", {}))
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return {"id": f"call_{secrets.token_hex(12)}", "type": "function", "function": {"name": parsed["name"], "arguments": arguments}}
+    return {
+        "id": f"call_{secrets.token_hex(12)}",
+        "type": "function",
+        "function": {"name": parsed["name"], "arguments": arguments},
+    }

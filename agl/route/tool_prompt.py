@@ -25,6 +25,7 @@ sampled text in the next prompt, and the turns merge into one training sequence.
 ``tool_choice`` "required" or a named function is enforced with ``forced_prefix``: the text the
 reply must start with, appended to the prompt (so it carries no loss) before sampling.
 """
+
 from __future__ import annotations
 
 import json
@@ -86,7 +87,7 @@ def forced_prefix(tool_choice: Any) -> str:
     if tool_choice == "required":
         return CALL_OPEN + '"'
     if isinstance(tool_choice, dict):
-        return f"{CALL_OPEN}{json.dumps(tool_choice['function']['name'], ensure_ascii=False)}, \"arguments\":"
+        return f'{CALL_OPEN}{json.dumps(tool_choice["function"]["name"], ensure_ascii=False)}, "arguments":'
     return ""
 
 
@@ -141,6 +142,8 @@ def _assistant_text(message: dict, parsed_replies: Sequence[tuple[str, tuple[str
     content = message.get("content") or ""
     calls = [(c["function"]["name"], c["function"]["arguments"]) for c in message.get("tool_calls") or []]
     for reply, (reply_content, reply_calls) in parsed_replies:
-        if (reply_content or "") == content and [(c["function"]["name"], json_or_str(c["function"]["arguments"])) for c in reply_calls] == calls:
+        if (reply_content or "") == content and [
+            (c["function"]["name"], json_or_str(c["function"]["arguments"])) for c in reply_calls
+        ] == calls:
             return reply
     return "\n".join(([content] if content else []) + [call_block(name, arguments) for name, arguments in calls])

@@ -62,14 +62,15 @@ def connect(path: Path, *, readonly: bool, busy_timeout: float, synchronous: Syn
         if not path.exists():
             raise FileNotFoundError(f"no store at {path}")
         conn = sqlite3.connect(
-            f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=busy_timeout,
-            isolation_level=None, check_same_thread=False,
+            f"{path.resolve().as_uri()}?mode=ro",
+            uri=True,
+            timeout=busy_timeout,
+            isolation_level=None,
+            check_same_thread=False,
         )
     else:
         path.parent.mkdir(parents=True, exist_ok=True)
-        conn = sqlite3.connect(
-            str(path), timeout=busy_timeout, isolation_level=None, check_same_thread=False
-        )
+        conn = sqlite3.connect(str(path), timeout=busy_timeout, isolation_level=None, check_same_thread=False)
         # WAL is a property of the file; setting it needs no transaction in progress.
         mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
         if mode.lower() != "wal":
@@ -97,10 +98,10 @@ def install_schema(conn: sqlite3.Connection) -> None:
         return
     if version not in UPGRADABLE_VERSIONS:
         raise RuntimeError(f"store schema version {version} is not supported (expected {SCHEMA_VERSION})")
-    drop_views = "".join(f"DROP VIEW IF EXISTS {name};\n" for name in re.findall(r"CREATE VIEW IF NOT EXISTS (\w+)", schema))
-    conn.executescript(
-        "BEGIN IMMEDIATE;\n" + drop_views + schema + f"\nPRAGMA user_version={SCHEMA_VERSION};\nCOMMIT;"
+    drop_views = "".join(
+        f"DROP VIEW IF EXISTS {name};\n" for name in re.findall(r"CREATE VIEW IF NOT EXISTS (\w+)", schema)
     )
+    conn.executescript("BEGIN IMMEDIATE;\n" + drop_views + schema + f"\nPRAGMA user_version={SCHEMA_VERSION};\nCOMMIT;")
 
 
 def missing_indexes(conn: sqlite3.Connection, schema: str) -> list[str]:
@@ -247,7 +248,9 @@ class Db:
 
     def connect(self) -> None:
         """Open the file, with its schema installed (writable) or checked (read-only)."""
-        self.conn = connect(self.path, readonly=self.readonly, busy_timeout=self.busy_timeout, synchronous=self.synchronous)
+        self.conn = connect(
+            self.path, readonly=self.readonly, busy_timeout=self.busy_timeout, synchronous=self.synchronous
+        )
         if self.readonly:
             check_schema(self.conn)
         else:

@@ -20,8 +20,10 @@ _COLUMNS = "resources_id, resources, create_time, update_time"
 
 def _from_row(row: Mapping[str, Any]) -> ResourcesUpdate:
     return ResourcesUpdate(
-        resources_id=row["resources_id"], resources=json.loads(row["resources"]),
-        create_time=row["create_time"], update_time=row["update_time"],
+        resources_id=row["resources_id"],
+        resources=json.loads(row["resources"]),
+        create_time=row["create_time"],
+        update_time=row["update_time"],
     )
 
 

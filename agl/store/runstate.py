@@ -109,7 +109,9 @@ class RunState:
             if names is not None:
                 where.add("name IN (SELECT value FROM json_each(?))", dumps(names))
             out: dict[int, dict[str, Any]] = {}
-            for s, name, value in conn.execute(f"SELECT step, name, value FROM metrics{where} ORDER BY step, name", where.params):
+            for s, name, value in conn.execute(
+                f"SELECT step, name, value FROM metrics{where} ORDER BY step, name", where.params
+            ):
                 out.setdefault(s, {})[name] = value
             return out
 
@@ -118,8 +120,13 @@ class RunState:
     # -- checkpoints -------------------------------------------------------------
 
     def _save_checkpoint_tx(
-        self, tx: Tx, step: int, policy_version: int, state_json: str,
-        blobs: dict[str, bytes], metrics: Optional[Mapping[str, Any]],
+        self,
+        tx: Tx,
+        step: int,
+        policy_version: int,
+        state_json: str,
+        blobs: dict[str, bytes],
+        metrics: Optional[Mapping[str, Any]],
     ) -> float:
         conn = tx.conn
         conn.execute("DELETE FROM checkpoint_blobs WHERE step = ?", (step,))
@@ -148,24 +155,39 @@ class RunState:
         return tx.now
 
     async def save_checkpoint(
-        self, step: int, policy_version: int, state: Mapping[str, Any],
-        blobs: Optional[Mapping[str, bytes]], metrics: Optional[Mapping[str, Any]],
+        self,
+        step: int,
+        policy_version: int,
+        state: Mapping[str, Any],
+        blobs: Optional[Mapping[str, bytes]],
+        metrics: Optional[Mapping[str, Any]],
     ) -> Checkpoint:
         state_json = dumps(dict(state))
         blob_map = dict(blobs or {})
         created = await self.db.write(
-            self._save_checkpoint_tx, int(step), int(policy_version), state_json, blob_map,
-            dict(metrics) if metrics else None, durable=True,
+            self._save_checkpoint_tx,
+            int(step),
+            int(policy_version),
+            state_json,
+            blob_map,
+            dict(metrics) if metrics else None,
+            durable=True,
         )
         return Checkpoint(
-            step=step, policy_version=policy_version, state=json.loads(state_json), blobs=blob_map,
-            metrics=flatten_metrics(metrics or {}), created_time=created,
+            step=step,
+            policy_version=policy_version,
+            state=json.loads(state_json),
+            blobs=blob_map,
+            metrics=flatten_metrics(metrics or {}),
+            created_time=created,
         )
 
     async def load_checkpoint(self, step: Optional[int]) -> Optional[Checkpoint]:
         def read(conn: Any) -> Optional[Checkpoint]:
             if step is None:
-                row = conn.execute(f"SELECT {_CHECKPOINT_COLUMNS} FROM checkpoints ORDER BY step DESC LIMIT 1").fetchone()
+                row = conn.execute(
+                    f"SELECT {_CHECKPOINT_COLUMNS} FROM checkpoints ORDER BY step DESC LIMIT 1"
+                ).fetchone()
             else:
                 row = conn.execute(f"SELECT {_CHECKPOINT_COLUMNS} FROM checkpoints WHERE step = ?", (step,)).fetchone()
             if row is None:
@@ -179,13 +201,19 @@ class RunState:
 
     async def list_checkpoints(self) -> list[Checkpoint]:
         def read(conn: Any) -> list[Checkpoint]:
-            return [_checkpoint(row) for row in conn.execute(f"SELECT {_CHECKPOINT_COLUMNS} FROM checkpoints ORDER BY step")]
+            return [
+                _checkpoint(row) for row in conn.execute(f"SELECT {_CHECKPOINT_COLUMNS} FROM checkpoints ORDER BY step")
+            ]
 
         return await self.db.read(read)
 
 
 def _checkpoint(row: Mapping[str, Any], **extra: Any) -> Checkpoint:
     return Checkpoint(
-        step=row["step"], policy_version=row["policy_version"], state=json.loads(row["state"]),
-        created_time=row["created_time"], blobs_pruned=bool(row["blobs_pruned"]), **extra,
+        step=row["step"],
+        policy_version=row["policy_version"],
+        state=json.loads(row["state"]),
+        created_time=row["created_time"],
+        blobs_pruned=bool(row["blobs_pruned"]),
+        **extra,
     )

@@ -56,8 +56,7 @@ def register(conn: sqlite3.Connection, session: SessionInfo) -> SessionInfo:
     number = conn.execute("SELECT coalesce(max(rowid), 0) + 1 FROM sessions").fetchone()[0]
     session = dataclasses.replace(session, session_id=numbered_id("se", number))
     conn.execute(
-        "INSERT INTO sessions (session_id, pid, process_start_time, hostname, opened_time) "
-        "VALUES (?, ?, ?, ?, ?)",
+        "INSERT INTO sessions (session_id, pid, process_start_time, hostname, opened_time) VALUES (?, ?, ?, ?, ?)",
         (session.session_id, session.pid, session.process_start_time, session.hostname, time.time()),
     )
     return session

@@ -152,12 +152,19 @@ class SqliteStore:
         self.session = None if readonly else sessions.current_session()
         waiters = Waiters()
         self._db = db.Db(
-            self.path, readonly=readonly, clock=clock, busy_timeout=busy_timeout, synchronous=synchronous,
+            self.path,
+            readonly=readonly,
+            clock=clock,
+            busy_timeout=busy_timeout,
+            synchronous=synchronous,
             on_commit=waiters.notify,
         )
         self._worker = self._db.worker
         self._watch = Watch(
-            self._db, waiters, poll_interval=poll_interval, session_check_interval=session_check_interval,
+            self._db,
+            waiters,
+            poll_interval=poll_interval,
+            session_check_interval=session_check_interval,
             watchdog_interval=watchdog_interval,
         )
         self._resources = Resources(self._db)
@@ -192,8 +199,12 @@ class SqliteStore:
                 "SELECT pid, process_start_time, hostname, closed_time FROM sessions WHERE session_id = ?",
                 (session_id,),
             ).fetchone()
-            return row is not None and row["closed_time"] is None and sessions.is_alive(
-                sessions.SessionInfo(session_id, row["pid"], row["process_start_time"], row["hostname"])
+            return (
+                row is not None
+                and row["closed_time"] is None
+                and sessions.is_alive(
+                    sessions.SessionInfo(session_id, row["pid"], row["process_start_time"], row["hostname"])
+                )
             )
 
         return await self._db.read(read)
@@ -265,8 +276,15 @@ class SqliteStore:
     # -- rollouts ----------------------------------------------------------------
 
     def _new_rollout_tx(
-        self, tx: Tx, input: Any, mode: Optional[str], resources_id: Optional[str],
-        config: ConfigArg, metadata: Optional[dict[str, Any]], status: RolloutStatus, queue_seq: Optional[int],
+        self,
+        tx: Tx,
+        input: Any,
+        mode: Optional[str],
+        resources_id: Optional[str],
+        config: ConfigArg,
+        metadata: Optional[dict[str, Any]],
+        status: RolloutStatus,
+        queue_seq: Optional[int],
     ) -> RolloutRow:
         if resources_id is None:
             resources_id = txn.latest_resources_id(tx.conn)
@@ -274,16 +292,26 @@ class SqliteStore:
             txn.require_resources(tx.conn, resources_id)
         cfg = _rollout_config(config)
         row = txn.insert_rollout(
-            tx, input_json=dumps_or_none(input), mode=mode, resources_id=resources_id,
-            config_json=cfg.model_dump_json(), metadata_json=dumps(metadata or {}),
-            status=status, queue_seq=queue_seq,
+            tx,
+            input_json=dumps_or_none(input),
+            mode=mode,
+            resources_id=resources_id,
+            config_json=cfg.model_dump_json(),
+            metadata_json=dumps(metadata or {}),
+            status=status,
+            queue_seq=queue_seq,
         )
         row.to_model()  # validate (mode, ...) before COMMIT; an error rolls back
         return row
 
     def _enqueue_tx(
-        self, tx: Tx, inputs: Sequence[Any], mode: Optional[str], resources_id: Optional[str],
-        config: ConfigArg, metadata: Union[dict[str, Any], Sequence[dict[str, Any]], None],
+        self,
+        tx: Tx,
+        inputs: Sequence[Any],
+        mode: Optional[str],
+        resources_id: Optional[str],
+        config: ConfigArg,
+        metadata: Union[dict[str, Any], Sequence[dict[str, Any]], None],
     ) -> list[Rollout]:
         metas = metadata if isinstance(metadata, (list, tuple)) else [metadata] * len(inputs)
         if len(metas) != len(inputs):
@@ -325,8 +353,14 @@ class SqliteStore:
         return await self._db.write(self._enqueue_tx, list(inputs), mode, resources_id, config, metadata)
 
     def _start_rollout_tx(
-        self, tx: Tx, input: Any, mode: Optional[str], resources_id: Optional[str],
-        config: ConfigArg, metadata: Optional[dict[str, Any]], worker_id: Optional[str],
+        self,
+        tx: Tx,
+        input: Any,
+        mode: Optional[str],
+        resources_id: Optional[str],
+        config: ConfigArg,
+        metadata: Optional[dict[str, Any]],
+        worker_id: Optional[str],
     ) -> AttemptedRollout:
         row = self._new_rollout_tx(tx, input, mode, resources_id, config, metadata, RolloutStatus.PREPARING, None)
         attempt = txn.create_attempt(tx, row, worker_id)
@@ -380,7 +414,11 @@ class SqliteStore:
         return await self._db.write(self._start_attempt_tx, rollout_id, worker_id)
 
     def _query_rollouts(
-        self, conn: Any, statuses: Optional[list[str]], rollout_ids: Optional[list[str]], step: Optional[int],
+        self,
+        conn: Any,
+        statuses: Optional[list[str]],
+        rollout_ids: Optional[list[str]],
+        step: Optional[int],
         metadata: Optional[dict[str, Any]],
     ) -> list[Rollout]:
         view = self._db.overdue_view(conn)
@@ -421,11 +459,13 @@ class SqliteStore:
         are matched by reading every rollout."""
         statuses = None
         if status is not None:
-            statuses = [RolloutStatus(status).value] if isinstance(status, str) else [
-                RolloutStatus(s).value for s in status
-            ]
+            statuses = (
+                [RolloutStatus(status).value] if isinstance(status, str) else [RolloutStatus(s).value for s in status]
+            )
         ids = None if rollout_ids is None else list(rollout_ids)
-        return await self._db.read(self._query_rollouts, statuses, ids, step, None if metadata is None else dict(metadata))
+        return await self._db.read(
+            self._query_rollouts, statuses, ids, step, None if metadata is None else dict(metadata)
+        )
 
     async def get_rollout_by_id(self, rollout_id: str) -> Optional[Rollout]:
         """The rollout, or None if there is no such id."""
@@ -539,7 +579,11 @@ class SqliteStore:
         if found is None:
             rollout = txn.get_rollout(conn, span.rollout_id)  # raises for an unknown rollout
             txn.get_attempt_row(conn, rollout, span.attempt_id)  # raises for an unknown attempt
-        attempt_seq, attempt_status, last_span_seq = found["attempt_seq"], found["attempt_status"], found["last_span_seq"]
+        attempt_seq, attempt_status, last_span_seq = (
+            found["attempt_seq"],
+            found["attempt_status"],
+            found["last_span_seq"],
+        )
         rollout = RolloutRow(found)  # the columns the status rules read
         sequence_id = last_span_seq + 1 if span.sequence_id is None else span.sequence_id
         conn.execute(f"INSERT INTO spans ({SPAN_COLUMNS}) VALUES ({SPAN_PLACEHOLDERS})", span_params(span, sequence_id))
@@ -551,9 +595,7 @@ class SqliteStore:
         if new_status != attempt_status:
             txn.set_attempt_status(tx, span.attempt_id, new_status)
         if sequence_id > last_span_seq:
-            conn.execute(
-                "UPDATE rollouts SET last_span_seq = ? WHERE rollout_id = ?", (sequence_id, span.rollout_id)
-            )
+            conn.execute("UPDATE rollouts SET last_span_seq = ? WHERE rollout_id = ?", (sequence_id, span.rollout_id))
         if is_latest and new_status == AttemptStatus.RUNNING and rollout.status != RolloutStatus.RUNNING:
             txn.propagate(tx, rollout, attempt_seq, new_status)  # R4
         if span.sequence_id is None:
@@ -578,9 +620,7 @@ class SqliteStore:
         the rollout, never issued twice."""
         return await self._db.write(self._next_span_seq_tx, rollout_id, attempt_id)
 
-    async def query_spans(
-        self, rollout_id: str, attempt_id: Union[str, Literal["latest"], None] = None
-    ) -> list[Span]:
+    async def query_spans(self, rollout_id: str, attempt_id: Union[str, Literal["latest"], None] = None) -> list[Span]:
         """Spans of a rollout in sequence order: all attempts (None), the latest
         attempt ("latest"), or one attempt."""
 
@@ -601,7 +641,6 @@ class SqliteStore:
             return [span_from_row(r) for r in rows]
 
         return await self._db.read(read)
-
 
     # -- waiting and liveness (watch.py) -----------------------------------------
 

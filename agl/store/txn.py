@@ -158,15 +158,16 @@ def set_rollout_status(tx: Tx, rollout_id: str, current: str, new: RolloutStatus
 # error it explains), since the note only describes how the attempt ended.
 CHARGED = f"json_extract(metadata, '$.{rules.HARNESS_ENDED}') IS NULL"
 DROP_NOTE = (
-    f"metadata = CASE WHEN {CHARGED} THEN metadata "
-    f"ELSE json_remove(metadata, '$.{rules.HARNESS_ENDED}', '$.error') END"
+    f"metadata = CASE WHEN {CHARGED} THEN metadata ELSE json_remove(metadata, '$.{rules.HARNESS_ENDED}', '$.error') END"
 )
 
 
 def charged_attempts(conn: sqlite3.Connection, rollout_id: str) -> int:
     """R4's count: the rollout's attempts without the harness-ended note (a handful of
     rows, found through the UNIQUE (rollout_id, sequence_id) index)."""
-    return conn.execute(f"SELECT count(*) FROM attempts WHERE rollout_id = ? AND {CHARGED}", (rollout_id,)).fetchone()[0]
+    return conn.execute(f"SELECT count(*) FROM attempts WHERE rollout_id = ? AND {CHARGED}", (rollout_id,)).fetchone()[
+        0
+    ]
 
 
 def propagate(
@@ -224,8 +225,18 @@ def insert_rollout(
     # seq is the INTEGER PRIMARY KEY, so max(seq) is one b-tree probe; rollouts are never deleted.
     seq = tx.conn.execute("SELECT coalesce(max(seq), 0) + 1 FROM rollouts").fetchone()[0]
     values = (
-        numbered_id("ro", seq), input_json, mode, resources_id, status.value, config_json, metadata_json,
-        tx.now, None, 0, 0, queue_seq,
+        numbered_id("ro", seq),
+        input_json,
+        mode,
+        resources_id,
+        status.value,
+        config_json,
+        metadata_json,
+        tx.now,
+        None,
+        0,
+        0,
+        queue_seq,
     )
     tx.conn.execute(f"INSERT INTO rollouts (seq, {ROLLOUT_COLUMNS}) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?)", (seq, *values))
     return RolloutRow(dict(zip(ROLLOUT_FIELDS, values)))
@@ -252,8 +263,17 @@ def create_attempt(tx: Tx, rollout: RolloutRow, worker_id: Optional[str]) -> Att
     tx.conn.execute(
         "INSERT INTO attempts (attempt_id, rollout_id, sequence_id, status, start_time, worker_id, "
         "session_id, timeout_at, unresponsive_seconds) VALUES (?,?,?,?,?,?,?,?,?)",
-        (attempt.attempt_id, attempt.rollout_id, sequence_id, AttemptStatus.PREPARING.value, tx.now,
-         worker_id, tx.session_id, timeout_at, config.unresponsive_seconds),
+        (
+            attempt.attempt_id,
+            attempt.rollout_id,
+            sequence_id,
+            AttemptStatus.PREPARING.value,
+            tx.now,
+            worker_id,
+            tx.session_id,
+            timeout_at,
+            config.unresponsive_seconds,
+        ),
     )
     tx.conn.execute(
         "UPDATE rollouts SET num_attempts = ?, status = 'preparing', queue_seq = NULL, end_time = NULL "
@@ -312,7 +332,9 @@ def end_session(tx: Tx, session_id: str, how: rules.SessionEnd) -> list[Attempt]
             f"WHERE attempt_id = ? RETURNING {ATTEMPT_COLUMNS}",
             (AttemptStatus.UNRESPONSIVE.value, tx.now, dumps({**(loads_or_none(metadata) or {}), **note}), attempt_id),
         ).fetchone()
-        propagate(tx, get_rollout(tx.conn, rollout_id, RULE_COLUMNS), row["sequence_id"], row["status"], harness_ended=True)
+        propagate(
+            tx, get_rollout(tx.conn, rollout_id, RULE_COLUMNS), row["sequence_id"], row["status"], harness_ended=True
+        )
         changed.append(attempt_from_row(row))
     sessions.mark_closed(tx.conn, session_id, how)
     return changed

@@ -90,8 +90,13 @@ class Watch:
     """Waiting, deadlines, dead sessions and the watchdog (see the module docstring)."""
 
     def __init__(
-        self, store_db: db.Db, waiters: Waiters, *,
-        poll_interval: float, session_check_interval: float, watchdog_interval: Optional[float],
+        self,
+        store_db: db.Db,
+        waiters: Waiters,
+        *,
+        poll_interval: float,
+        session_check_interval: float,
+        watchdog_interval: Optional[float],
     ):
         self.db = store_db
         self.waiters = waiters

@@ -15,6 +15,7 @@ back as it was before the layer's first run, so the replay appends the same keys
 Non-reentrant ``torch.utils.checkpoint``: gradients also reach tensors the layer reads that are not
 its inputs (the prompt's keys and values, the LoRA weights).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,7 +46,9 @@ def _checkpointed(layer: torch.nn.Module, forward: Any) -> Any:
             return forward(hidden_states, *args, **kwargs)
         cache = kwargs.get("cache")
         if cache is not None and index is None:
-            raise ConfigError(f"gradient_checkpointing: {type(layer).__name__} is given a KV cache but names no self_attn.layer_idx")
+            raise ConfigError(
+                f"gradient_checkpointing: {type(layer).__name__} is given a KV cache but names no self_attn.layer_idx"
+            )
         before = copy.copy(cache.layers[index]) if cache is not None and index < len(cache.layers) else None
         runs = 0
 

@@ -5,6 +5,7 @@ reach the vocabulary, through the fused log-prob head (``agl.train.logprobs``) w
 is a plain linear, so no [B, T, V] logits exist. A group's prompt can run once for all the
 micro-batches it is cut into (``SharedPrompt``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -47,7 +48,9 @@ class SharedPrompt:
     def __init__(self, policy: Policy, prompt_ids: Sequence[int], decoder_only: bool, detach: bool = True):
         """``detach=False``: the micro-batch's backward runs through the prompt's (one micro-batch per group)."""
         self.ids, self.decoder_only = list(prompt_ids), decoder_only
-        outputs, out = _decoder_or_model(policy, decoder_only)(1, input_ids=torch.tensor([self.ids], device=policy.device), use_cache=True)
+        outputs, out = _decoder_or_model(policy, decoder_only)(
+            1, input_ids=torch.tensor([self.ids], device=policy.device), use_cache=True
+        )
         self.cache = out.past_key_values
         self.outputs = [outputs[:, -1:]] + [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
         detach = detach and torch.is_grad_enabled()
@@ -64,7 +67,11 @@ class SharedPrompt:
 
     def backward(self) -> None:
         """The prompt's backward, with the gradients its micro-batches left on its outputs."""
-        pairs = [(out, leaf.grad) for out, leaf in zip(self.outputs, self.inputs) if out is not leaf and leaf.grad is not None]
+        pairs = [
+            (out, leaf.grad)
+            for out, leaf in zip(self.outputs, self.inputs)
+            if out is not leaf and leaf.grad is not None
+        ]
         if pairs:
             torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
         self.outputs = self.inputs = []
@@ -118,11 +125,18 @@ def fused_head(policy: Policy) -> torch.nn.Linear | None:
 def _head_gives_logits(policy: Policy) -> bool:
     """Whether the model's logits are its output layer's output as is (no soft-capping or scaling after it)."""
     config = policy.model.get_base_model().config
-    return all(getattr(config, name, None) in (None, 1.0) for name in ("final_logit_softcapping", "logit_scale", "logits_scaling"))
+    return all(
+        getattr(config, name, None) in (None, 1.0)
+        for name in ("final_logit_softcapping", "logit_scale", "logits_scaling")
+    )
 
 
 def completion_logprobs(
-    policy: Policy, batch: TokenBatch, with_entropy: bool = False, fused: bool = True, prompt: SharedPrompt | None = None,
+    policy: Policy,
+    batch: TokenBatch,
+    with_entropy: bool = False,
+    fused: bool = True,
+    prompt: SharedPrompt | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of the completion tokens under the policy, at each sample's temperature. [B, T]
 
@@ -143,13 +157,17 @@ def completion_logprobs(
     entropy_BT = None
     if head is not None:
         hidden_BTH = _forward(policy, batch, decoder_only=True, prompt=prompt)
-        logp_N, entropy_N = token_logprobs(hidden_BTH[real_BT], head.weight, tokens_BT[real_BT], temperature_BT[real_BT])
+        logp_N, entropy_N = token_logprobs(
+            hidden_BTH[real_BT], head.weight, tokens_BT[real_BT], temperature_BT[real_BT]
+        )
         logp_BT = torch.zeros((B, T), device=device).masked_scatter(real_BT, logp_N)
         entropy_BT = torch.zeros((B, T), device=device).masked_scatter(real_BT, entropy_N) if with_entropy else None
         return logp_BT.cpu(), (entropy_BT.cpu() if entropy_BT is not None else None)
     if uses_hidden_states(policy, fused):  # the output layer on real positions only
         hidden_NH = _forward(policy, batch, decoder_only=True, prompt=prompt)[real_BT]
-        logits_XV = policy.model.get_base_model().get_output_embeddings()(hidden_NH).float() / temperature_BT[real_BT][:, None]
+        logits_XV = (
+            policy.model.get_base_model().get_output_embeddings()(hidden_NH).float() / temperature_BT[real_BT][:, None]
+        )
         tokens_X = tokens_BT[real_BT]
     else:
         logits_XV = _forward(policy, batch, decoder_only=False, prompt=prompt).float() / temperature_BT[..., None]

@@ -6,6 +6,7 @@ the forward/backward passes in micro-batches and steps the optimizer. The loss i
 
 Left out on purpose: a value model (GRPO has none), and entropy bonuses (rarely help with
 LoRA at this scale; entropy is logged so collapse is visible)."""
+
 from __future__ import annotations
 
 import math
@@ -61,7 +62,9 @@ class GRPOUpdate:
     def __init__(self, policy: Policy, config: GRPOConfig):
         self.policy = policy
         self.config = config
-        self.optimizer = torch.optim.AdamW(policy.trainable_parameters(), lr=config.lr, weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            policy.trainable_parameters(), lr=config.lr, weight_decay=config.weight_decay
+        )
 
     def step(self, samples: Sequence[Sample], advs: Sequence[float]) -> dict[str, float]:
         # small blocks mapped, heaps trimmed after (agl/memory.py); LoRA layers as one matmul each (agl/train/merged_lora.py)
@@ -124,7 +127,9 @@ class GRPOUpdate:
         policy.model.train()
         sums: dict[str, float] = defaultdict(float)
         grad_norm = 0.0
-        with checkpointed_layers(policy.model, cfg.gradient_checkpointing):  # activations of one layer at a time (agl/train/activation_checkpointing.py)
+        with checkpointed_layers(
+            policy.model, cfg.gradient_checkpointing
+        ):  # activations of one layer at a time (agl/train/activation_checkpointing.py)
             for _ in range(cfg.num_iterations):
                 self.optimizer.zero_grad(set_to_none=True)
                 prompt = None
@@ -132,12 +137,23 @@ class GRPOUpdate:
                     start = time.perf_counter()
                     if first[i]:
                         prompt = SharedPrompt(policy, b.shared_prompt, hidden)
-                    logp_BT, entropy_BT = completion_logprobs(policy, b, with_entropy=True, prompt=prompt if parts[i] else None)
+                    logp_BT, entropy_BT = completion_logprobs(
+                        policy, b, with_entropy=True, prompt=prompt if parts[i] else None
+                    )
                     loss, stats = policy_loss(
-                        logp_BT, b.old_logp_BT, adv_B, b.mask_BT, w_BT,
-                        loss_type=cfg.loss_type, epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high,
-                        beta=cfg.beta, ref_logp_BT=ref_BT,
-                        sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg, opmd_tau=cfg.opmd_tau,
+                        logp_BT,
+                        b.old_logp_BT,
+                        adv_B,
+                        b.mask_BT,
+                        w_BT,
+                        loss_type=cfg.loss_type,
+                        epsilon=cfg.epsilon,
+                        epsilon_high=cfg.epsilon_high,
+                        beta=cfg.beta,
+                        ref_logp_BT=ref_BT,
+                        sapo_tau_pos=cfg.sapo_tau_pos,
+                        sapo_tau_neg=cfg.sapo_tau_neg,
+                        opmd_tau=cfg.opmd_tau,
                     )
                     timings["forward_s"] += time.perf_counter() - start
                     start = time.perf_counter()
@@ -148,7 +164,9 @@ class GRPOUpdate:
                     timings["backward_s"] += time.perf_counter() - start
                     n = float(stats["tokens"])
                     sums["tokens"] += n
-                    sums["input_tokens"] += b.num_input_tokens - (len(b.shared_prompt) if parts[i] and not first[i] else 0)
+                    sums["input_tokens"] += b.num_input_tokens - (
+                        len(b.shared_prompt) if parts[i] and not first[i] else 0
+                    )
                     sums["loss"] += float(loss.detach())
                     for key in ("clip_ratio_low", "clip_ratio_high", "kl", "ratio_mean"):
                         sums[key] += float(stats[key]) * n
@@ -166,7 +184,10 @@ class GRPOUpdate:
             "grad_norm": grad_norm if math.isfinite(grad_norm) else float("nan"),
             "train_tokens": sums["tokens"] / cfg.num_iterations,
             "train_input_tokens": sums["input_tokens"] / cfg.num_iterations,  # tokens run through the model
-            **{k: sums[k] / n_tokens for k in ("clip_ratio_low", "clip_ratio_high", "kl", "ratio_mean", "entropy", "logprob_diff_abs")},
+            **{
+                k: sums[k] / n_tokens
+                for k in ("clip_ratio_low", "clip_ratio_high", "kl", "ratio_mean", "entropy", "logprob_diff_abs")
+            },
             **timings,
         }
         return metrics

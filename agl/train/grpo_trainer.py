@@ -18,6 +18,7 @@ Resume: a killed run reopens its store, restores the last checkpoint, and re-ent
 interrupted step; that step's rollouts are found by ``metadata.step`` and reused (the
 finished ones as they are; the store requeued the ones the dead process was running).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -87,7 +88,9 @@ class GRPOTrainer:
 
     async def train(self) -> dict:
         resumed = await self.restore()
-        with tqdm(total=self.total_steps, initial=self.step, desc="steps", dynamic_ncols=True, disable=not self.rt.progress) as bar:
+        with tqdm(
+            total=self.total_steps, initial=self.step, desc="steps", dynamic_ncols=True, disable=not self.rt.progress
+        ) as bar:
             while self.step < self.total_steps:
                 stage = "sft" if self.step < self.warmup_steps else "grpo"
                 if stage == "sft":
@@ -101,7 +104,11 @@ class GRPOTrainer:
                 metrics.update(await self._eval_if_due(self.step + 1))
                 await save_checkpoint(self.rt, self.step, self._state(stage), optimizer, metrics)
                 append_metrics(self.run_dir, metrics)
-                shown = {"sft_loss": f"{metrics['sft_loss']:.3f}"} if stage == "sft" else {"reward": f"{metrics['reward_mean']:.3f}"}
+                shown = (
+                    {"sft_loss": f"{metrics['sft_loss']:.3f}"}
+                    if stage == "sft"
+                    else {"reward": f"{metrics['reward_mean']:.3f}"}
+                )
                 bar.set_postfix(**shown, version=metrics["policy_version"])
                 bar.update(1)
                 self.step += 1
@@ -124,13 +131,17 @@ class GRPOTrainer:
                 metadata.append({"step": step, "group": f"{step}-{g}", "task_id": row.get("id"), "sampling": sampling})
         existing = await rt.store.query_rollouts(step=step)  # a resumed step's rollouts
         prefilled_before = rt.engine.stats["prefill_tokens"]
-        rollouts = await rt.run_rollouts(inputs, metadata, mode="train", resources_id=resources_id, existing=existing, desc=f"step {step}")
+        rollouts = await rt.run_rollouts(
+            inputs, metadata, mode="train", resources_id=resources_id, existing=existing, desc=f"step {step}"
+        )
         await check_rollouts(rt.store, rollouts, f"training step {step}")  # all failed: nothing to learn, the job fails
         rollout_s = time.perf_counter() - started
 
         finished = succeeded(rollouts)
         samples: list = []
-        rewards = {r.rollout_id: 0.0 for r in rollouts}  # reward_mean counts every rollout, a failed one as 0, as eval/reward does
+        rewards = {
+            r.rollout_id: 0.0 for r in rollouts
+        }  # reward_mean counts every rollout, a failed one as 0, as eval/reward does
         for rollout in finished:
             spans = await rt.store.query_spans(rollout.rollout_id, "latest")
             reward = final_reward(spans)
@@ -163,7 +174,8 @@ class GRPOTrainer:
             "completion_len_max": max(lengths, default=0),
             "truncated_frac": sum(s.truncated for s in samples) / max(len(samples), 1),
             "tokens_per_s": sum(lengths) / max(rollout_s, 1e-9),
-            "prompt_tokens": rt.engine.stats["prefill_tokens"] - prefilled_before,  # prefilled: shared prompts count once
+            "prompt_tokens": rt.engine.stats["prefill_tokens"]
+            - prefilled_before,  # prefilled: shared prompts count once
             "time_rollout_s": rollout_s,
             "time_update_s": update_s,
             "time_other_s": total_s - rollout_s - update_s,
@@ -180,5 +192,6 @@ class GRPOTrainer:
             return {}
         end = step in (0, self.total_steps)
         rows = self.end_rows if end else self.eval_rows
-        return await eval_during_training(self.rt, rows, step, self.algo.max_tokens, slice_size=len(self.eval_rows) if end else 0)
-
+        return await eval_during_training(
+            self.rt, rows, step, self.algo.max_tokens, slice_size=len(self.eval_rows) if end else 0
+        )

@@ -12,6 +12,7 @@ kept between forward and backward, and the forward's other [N, V] work done in b
 Worked example (one token, vocabulary of 2, temperature 1): logits [0, ln 3] give
 p = [1/4, 3/4]; for token 1, logp = ln(3/4), entropy = -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.562.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,7 +39,9 @@ class _TokenLogprobs(torch.autograd.Function):
             logp_RV.sub_(torch.logsumexp(logp_RV, dim=-1, keepdim=True))  # in place: now log p
             token_logp_N[block] = logp_RV.gather(1, tokens_N[block, None])[:, 0]
             probs_RV = torch.exp(logp_RV, out=probs_NV[block])
-            entropy_N[block] = -torch.bmm(probs_RV[:, None, :], logp_RV[:, :, None]).flatten()  # row-wise dot, no [rows, V] temp
+            entropy_N[block] = -torch.bmm(
+                probs_RV[:, None, :], logp_RV[:, :, None]
+            ).flatten()  # row-wise dot, no [rows, V] temp
         ctx.save_for_backward(hidden_NH, weight_VH, tokens_N, inv_temperature_N, probs_NV)
         ctx.mark_non_differentiable(entropy_N)
         return token_logp_N, entropy_N
@@ -61,7 +64,9 @@ class _TokenLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None
 
 
-def token_logprobs(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, tokens_N: torch.Tensor, temperature_N: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def token_logprobs(
+    hidden_NH: torch.Tensor, weight_VH: torch.Tensor, tokens_N: torch.Tensor, temperature_N: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-prob of each token, entropy of each row's distribution) under ``softmax(h W^T / T)``.
 
     Differentiable in ``hidden`` (and ``weight`` if it requires grad); the entropy is a
@@ -71,4 +76,6 @@ def token_logprobs(hidden_NH: torch.Tensor, weight_VH: torch.Tensor, tokens_N: t
     >>> [round(float(x), 3) for x in token_logprobs(h, w, torch.tensor([1]), torch.tensor([1.0]))]
     [-0.288, 0.562]
     """
-    return _TokenLogprobs.apply(hidden_NH, weight_VH, tokens_N, 1.0 / temperature_N.to(torch.promote_types(hidden_NH.dtype, torch.float32)))
+    return _TokenLogprobs.apply(
+        hidden_NH, weight_VH, tokens_N, 1.0 / temperature_N.to(torch.promote_types(hidden_NH.dtype, torch.float32))
+    )

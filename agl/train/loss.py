@@ -40,6 +40,7 @@ per-token loss = -min(1 * 2, clip(1) * 2) = -2 for each token, weights 1/2 each,
 The same under ``sapo`` (tau_pos = 1): per-token -sigmoid(0) * 4 * 2 = -4, loss = -4, yet the
 gradient equals ``grpo``'s, because d/dr [sigmoid(tau (r-1)) 4/tau] = 1 at r = 1.
 """
+
 from __future__ import annotations
 
 import torch
@@ -80,7 +81,9 @@ def ppo_clip_per_token(ratio_BT: torch.Tensor, adv_BT: torch.Tensor, eps_low: fl
     return -torch.min(unclipped_BT, clipped_BT)
 
 
-def cispo_per_token(logp_BT: torch.Tensor, ratio_BT: torch.Tensor, adv_BT: torch.Tensor, eps_low: float, eps_high: float) -> torch.Tensor:
+def cispo_per_token(
+    logp_BT: torch.Tensor, ratio_BT: torch.Tensor, adv_BT: torch.Tensor, eps_low: float, eps_high: float
+) -> torch.Tensor:
     """CISPO: -sg(clip(r, 1 - eps_low, 1 + eps_high)) * A * log pi_theta. [B, T]
 
     Source: MiniMax-M1 (arXiv:2506.13585), the CISPO objective J = 1/sum_i|o_i| sum_i sum_t
@@ -213,7 +216,9 @@ def policy_loss(
     return loss, stats
 
 
-def group_advantages(rewards_G: torch.Tensor, scale: str = "group", eps: float = 1e-4, batch_std: float | None = None) -> torch.Tensor:
+def group_advantages(
+    rewards_G: torch.Tensor, scale: str = "group", eps: float = 1e-4, batch_std: float | None = None
+) -> torch.Tensor:
     """Advantages of one group of G rollouts of the same task: (r - mean) / (std + eps).
 
     ``scale``: ``group`` divides by the group's std, ``batch`` by the whole batch's std

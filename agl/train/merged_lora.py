@@ -23,6 +23,7 @@ a numerics change for training that was not validated, so ``auto`` leaves bf16 o
 Left out: dropout, DoRA and other LoRA variants, a LoRA bias, several active adapters, mixed
 adapter batches, 8-bit base layers and the output layer; such a layer runs peft's own forward.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,7 +41,15 @@ class _MergedLinear(torch.autograd.Function):
     (a 4-bit layer keeps no dense copy); gradients for x, A and B."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, base: torch.nn.Module, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        lora_A: torch.Tensor,
+        lora_B: torch.Tensor,
+        base: torch.nn.Module,
+        scale: float,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, lora_A, lora_B)
         ctx.base, ctx.scale, ctx.dtype = base, scale, dtype
         bias = None if base.bias is None else base.bias.to(dtype)
@@ -62,7 +71,9 @@ class _MergedLinear(torch.autograd.Function):
         return grad_x, grad_A, grad_B, None, None, None
 
 
-def _merged(base: torch.nn.Module, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+def _merged(
+    base: torch.nn.Module, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float, dtype: torch.dtype
+) -> torch.Tensor:
     """The merged weight, summed in fp32 and rounded once, exactly as ``agl.policy.sampler_weights.dense_linear``."""
     delta = (lora_B.detach() @ lora_A.detach()).float().mul_(scale)
     return delta.add_(base_weight(base)).to(dtype)  # in place on the product (a sum is the same either way round)
@@ -73,8 +84,12 @@ def _forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Te
     if adapter is None or args or kwargs:  # anything but one plain LoRA: peft's own forward
         return type(layer).forward(layer, x, *args, **kwargs)
     base = layer.get_base_layer()
-    dtype = getattr(base, "compute_dtype", None) or (base.weight.dtype if base.weight.is_floating_point() else x.dtype)  # as the base layer computes
-    return _MergedLinear.apply(x, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight, base, layer.scaling[adapter], dtype)
+    dtype = getattr(base, "compute_dtype", None) or (
+        base.weight.dtype if base.weight.is_floating_point() else x.dtype
+    )  # as the base layer computes
+    return _MergedLinear.apply(
+        x, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight, base, layer.scaling[adapter], dtype
+    )
 
 
 def _plain_adapter(layer: Any) -> str | None:
@@ -87,7 +102,9 @@ def _plain_adapter(layer: Any) -> str | None:
         return None
     (adapter,) = active
     dropout = layer.lora_dropout[adapter]
-    plain = isinstance(dropout, torch.nn.Identity) or (isinstance(dropout, torch.nn.Dropout) and (dropout.p == 0 or not dropout.training))
+    plain = isinstance(dropout, torch.nn.Identity) or (
+        isinstance(dropout, torch.nn.Dropout) and (dropout.p == 0 or not dropout.training)
+    )
     if not plain or adapter in getattr(layer, "lora_variant", {}) or layer.lora_B[adapter].bias is not None:
         return None
     return adapter
@@ -102,8 +119,11 @@ def merged_layers(model: Any) -> list[Any]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     output = base.get_output_embeddings()
     return [
-        module for module in base.modules()
-        if isinstance(module, LoraLayer) and isinstance(module.get_base_layer(), torch.nn.Linear) and module is not output
+        module
+        for module in base.modules()
+        if isinstance(module, LoraLayer)
+        and isinstance(module.get_base_layer(), torch.nn.Linear)
+        and module is not output
         and type(module.get_base_layer().weight).__name__ != "Int8Params"
     ]
 

@@ -4,6 +4,7 @@
 runs once, however many micro-batches the group is cut into); ``TokenBatch`` lays one micro-batch
 out; ``sft_micro_batches`` is SFT's simpler plan over whole conversations.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -37,7 +38,14 @@ class TokenBatch:
     attention_mask_BL: torch.Tensor | None = None
 
     @classmethod
-    def build(cls, samples: Sequence[Sample], pad_id: int, mask_truncated: bool, share_prompt: bool = True, min_shared_rows: int = 2) -> TokenBatch:
+    def build(
+        cls,
+        samples: Sequence[Sample],
+        pad_id: int,
+        mask_truncated: bool,
+        share_prompt: bool = True,
+        min_shared_rows: int = 2,
+    ) -> TokenBatch:
         """The shared-prompt layout when ``share_prompt``, every sample has one prompt and there are
         at least ``min_shared_rows`` rows (1 for a part of a group cut into micro-batches); else padded."""
         B, t_max = len(samples), max(len(s.completion_ids) for s in samples)
@@ -68,7 +76,6 @@ class TokenBatch:
             batch.attention_mask_BL[i, p_max:] = completion_attention[i]
         return batch
 
-
     @property
     def num_input_tokens(self) -> int:
         """Tokens the forward pass runs (a shared prompt once), padding excluded."""
@@ -93,7 +100,9 @@ PASS_OVERHEAD_TOKENS = 64
 # 1,728 MiB above the start), 0.86x on the long one (8,185 vs 8,836 tokens; 2,869 vs 3,311 MiB).
 
 
-def plan_micro_batches(samples: Sequence[Sample], size: int | None = None, tokens: int | None = None) -> list[list[int]]:
+def plan_micro_batches(
+    samples: Sequence[Sample], size: int | None = None, tokens: int | None = None
+) -> list[list[int]]:
     """Indices per micro-batch, cut so the passes run few padding tokens; a function of the
     samples' contents, not of their order.
 
@@ -126,11 +135,19 @@ def plan_micro_batches(samples: Sequence[Sample], size: int | None = None, token
         runs = _cut([0] * len(order), [len(samples[i].completion_ids) for i in order], len(prompt), size, tokens)
         plan += [order[a:b] for a, b in runs]
     singles = sorted((idx[0] for idx in by_prompt.values() if len(idx) == 1), key=longest_first)
-    runs = _cut([len(samples[i].prompt_ids) for i in singles], [len(samples[i].completion_ids) for i in singles], 0, size, tokens)
+    runs = _cut(
+        [len(samples[i].prompt_ids) for i in singles],
+        [len(samples[i].completion_ids) for i in singles],
+        0,
+        size,
+        tokens,
+    )
     return plan + [singles[a:b] for a, b in runs]
 
 
-def _cut(prompts: list[int], completions: list[int], shared: int, size: int | None, tokens: int | None) -> list[tuple[int, int]]:
+def _cut(
+    prompts: list[int], completions: list[int], shared: int, size: int | None, tokens: int | None
+) -> list[tuple[int, int]]:
     """Consecutive runs [a, b) covering every row, with the least total of padded tokens
     (rows x (longest prompt + longest completion)) plus ``PASS_OVERHEAD_TOKENS`` per run, each
     within the caps (``tokens`` also counts the ``shared`` prompt; a run of one is always allowed);
@@ -153,7 +170,9 @@ def _cut(prompts: list[int], completions: list[int], shared: int, size: int | No
     return runs[::-1]
 
 
-def sft_micro_batches(lengths: Sequence[int], micro_batch_size: int, micro_batch_tokens: int | None = None) -> list[list[int]]:
+def sft_micro_batches(
+    lengths: Sequence[int], micro_batch_size: int, micro_batch_tokens: int | None = None
+) -> list[list[int]]:
     """Example indices in micro-batches: sorted by length (less padding), at most ``micro_batch_size``
     rows and, when set, ``micro_batch_tokens`` tokens padding included (rows x the longest) per pass;
     an example longer than the budget is a pass of its own."""

@@ -5,6 +5,7 @@ the optimizer state, the cursor, and the RNG states (python, torch, the engine's
 ``metrics.jsonl`` is a readable copy of the store's metrics; on resume it is rewritten from
 the store, so a line written for a step that never committed disappears.
 """
+
 from __future__ import annotations
 
 import io
@@ -53,7 +54,10 @@ class TaskCursor:
 
 def adapter_bytes(policy: Any) -> bytes:
     """The LoRA's weights as safetensors bytes; never the base vocabulary matrices (they do not train)."""
-    state = {k: v.detach().cpu().contiguous() for k, v in get_peft_model_state_dict(policy.model, save_embedding_layers=False).items()}
+    state = {
+        k: v.detach().cpu().contiguous()
+        for k, v in get_peft_model_state_dict(policy.model, save_embedding_layers=False).items()
+    }
     return save_safetensors(state)
 
 
@@ -77,7 +81,11 @@ async def save_checkpoint(rt: Any, step: int, state: dict, optimizer: torch.opti
         step,
         rt.policy.version,
         state=state,
-        blobs={"adapter": adapter_bytes(rt.policy), "optimizer": torch_bytes(optimizer.state_dict()), "rng": pickle.dumps(rng)},
+        blobs={
+            "adapter": adapter_bytes(rt.policy),
+            "optimizer": torch_bytes(optimizer.state_dict()),
+            "rng": pickle.dumps(rng),
+        },
         metrics=metrics,
     )
 
@@ -104,7 +112,9 @@ def restore_checkpoint(rt: Any, checkpoint: Checkpoint, optimizer_for: Callable[
     engine's). ``optimizer_for(state)`` names the optimizer that saved it: a trainer with stages
     has one per stage (GRPO after an SFT warm-up)."""
     load_adapter_bytes(rt.policy, checkpoint.blobs["adapter"])
-    optimizer_for(checkpoint.state).load_state_dict(torch.load(io.BytesIO(checkpoint.blobs["optimizer"]), weights_only=False))
+    optimizer_for(checkpoint.state).load_state_dict(
+        torch.load(io.BytesIO(checkpoint.blobs["optimizer"]), weights_only=False)
+    )
     rng = pickle.loads(checkpoint.blobs["rng"])
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])
@@ -112,10 +122,8 @@ def restore_checkpoint(rt: Any, checkpoint: Checkpoint, optimizer_for: Callable[
     rt.policy.version = checkpoint.policy_version
 
 
-
 async def log_baseline(rt: Any, eval_metrics: dict) -> None:
     """The evaluation before any update, logged as step -1 (store and metrics.jsonl)."""
     row = {"policy_version": rt.policy.version, **eval_metrics}
     await rt.store.log_metrics(-1, row)
     append_metrics(rt.run_dir, {"step": -1, **row})
-

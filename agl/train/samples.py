@@ -12,6 +12,7 @@ left out: the policy did not sample them.
 Worked example: call 1 prompt [P], response [a b]; call 2 prompt [P a b u], response [c].
 Merged: prompt [P], completion [a b u c], mask [1 1 0 1], logprobs [la lb 0 lc].
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,7 +44,6 @@ class Sample:
         return sum(self.mask)
 
 
-
 def spans_to_samples(spans: Sequence[Span], reward: float | None = None, group: str | None = None) -> list[Sample]:
     """Merge a rollout's LLM calls into as few sequences as their token prefixes allow.
 
@@ -64,7 +64,7 @@ def spans_to_samples(spans: Sequence[Span], reward: float | None = None, group: 
         temperature = sampling_temperature(call)
         last = samples[-1] if samples else None
         if last is not None and last.temperature == temperature and _extends(prompt, last):
-            glue = prompt[len(last.prompt_ids) + len(last.completion_ids):]
+            glue = prompt[len(last.prompt_ids) + len(last.completion_ids) :]
             last.completion_ids += glue + response
             last.mask += [0] * len(glue) + [1] * len(response)
             last.logprobs += [0.0] * len(glue) + logprobs
@@ -90,7 +90,11 @@ def spans_to_samples(spans: Sequence[Span], reward: float | None = None, group: 
 
 def is_policy_call(span: Span) -> bool:
     """An LLM call the policy sampled, with its tokens recorded (not a frozen helper model's)."""
-    return span.name in LLM_SPAN_NAMES and span.response_token_ids is not None and span.attributes.get("trainable", True) is not False
+    return (
+        span.name in LLM_SPAN_NAMES
+        and span.response_token_ids is not None
+        and span.attributes.get("trainable", True) is not False
+    )
 
 
 def sampling_temperature(call: Span) -> float:
@@ -105,4 +109,8 @@ def sampling_temperature(call: Span) -> float:
 
 def _extends(prompt: list[int], sample: Sample) -> bool:
     n_prev = len(sample.prompt_ids) + len(sample.completion_ids)
-    return len(prompt) >= n_prev and prompt[: len(sample.prompt_ids)] == sample.prompt_ids and prompt[len(sample.prompt_ids) : n_prev] == sample.completion_ids
+    return (
+        len(prompt) >= n_prev
+        and prompt[: len(sample.prompt_ids)] == sample.prompt_ids
+        and prompt[len(sample.prompt_ids) : n_prev] == sample.completion_ids
+    )

@@ -13,6 +13,7 @@ optional greedy evals through the route (before the first step, every ``eval_eve
 and after the last), and the final LoRA in ``<run dir>/adapter`` — which a later run picks up
 with ``model.adapter=<run dir>`` (SFT, then GRPO).
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -35,7 +36,9 @@ from agl.train.micro_batches import sft_micro_batches
 from agl.train.resume import TaskCursor, log_baseline, resume_or_start, save_checkpoint
 
 
-def render_demonstration(policy: Any, messages: Sequence[dict], max_length: int | None = None) -> tuple[list[int], list[int]]:
+def render_demonstration(
+    policy: Any, messages: Sequence[dict], max_length: int | None = None
+) -> tuple[list[int], list[int]]:
     """(token ids, loss mask) of one conversation: mask 1 on assistant content + end-of-turn.
 
     Assistant turn i spans from the end of ``render(messages[:i], add_generation_prompt=True)``
@@ -54,7 +57,9 @@ def render_demonstration(policy: Any, messages: Sequence[dict], max_length: int 
         prefix = policy.render_chat(messages[:i], add_generation_prompt=True)
         turn = policy.render_chat(messages[: i + 1], add_generation_prompt=False)
         if ids[: len(prefix)] != prefix or ids[: len(turn)] != turn:
-            raise ConfigError("the chat template does not render a conversation's prefixes as prefixes; SFT masking needs that")
+            raise ConfigError(
+                "the chat template does not render a conversation's prefixes as prefixes; SFT masking needs that"
+            )
         for t in range(len(prefix), len(turn)):
             mask[t] = 1
             if ids[t] in eos:
@@ -64,10 +69,12 @@ def render_demonstration(policy: Any, messages: Sequence[dict], max_length: int 
     return ids, mask
 
 
-
 def sft_loss_and_backward(
-    policy: Any, examples: Sequence[tuple[list[int], list[int]]], micro_batch_size: int,
-    micro_batch_tokens: int | None = None, gradient_checkpointing: bool = False,
+    policy: Any,
+    examples: Sequence[tuple[list[int], list[int]]],
+    micro_batch_size: int,
+    micro_batch_tokens: int | None = None,
+    gradient_checkpointing: bool = False,
 ) -> dict:
     """Accumulate gradients of the token-mean NLL over all ``examples`` (one optimizer step).
 
@@ -88,13 +95,18 @@ def sft_loss_and_backward(
     head = fused_head(policy)
     loss_sum = 0.0
     # activations of one layer at a time (agl/train/activation_checkpointing.py); LoRA layers as one matmul each (agl/train/merged_lora.py)
-    with checkpointed_layers(policy.model, gradient_checkpointing), merged_lora_layers(policy.model, policy.train_merged):
+    with (
+        checkpointed_layers(policy.model, gradient_checkpointing),
+        merged_lora_layers(policy.model, policy.train_merged),
+    ):
         for indices in sft_micro_batches([len(ids) for ids, _ in examples], micro_batch_size, micro_batch_tokens):
             loss_sum += _micro_batch_backward(policy, [examples[i] for i in indices], head, total_tokens, pad_id)
     return {"loss": loss_sum, "train_tokens": total_tokens}
 
 
-def _micro_batch_backward(policy: Any, chunk: Sequence[tuple[list[int], list[int]]], head: Any, total_tokens: int, pad_id: int) -> float:
+def _micro_batch_backward(
+    policy: Any, chunk: Sequence[tuple[list[int], list[int]]], head: Any, total_tokens: int, pad_id: int
+) -> float:
     """One micro-batch's forward and backward of its share of the token-mean NLL; that share."""
     from agl.train.logprobs import token_logprobs
 
@@ -103,7 +115,9 @@ def _micro_batch_backward(policy: Any, chunk: Sequence[tuple[list[int], list[int
     length = max(len(ids) for ids, _ in chunk)
     input_ids_BT = torch.full((len(chunk), length), pad_id, dtype=torch.long)
     attention_BT = torch.zeros((len(chunk), length), dtype=torch.long)
-    learn_BT = torch.zeros((len(chunk), length), dtype=torch.bool)  # position t is learned: its token is predicted at t-1
+    learn_BT = torch.zeros(
+        (len(chunk), length), dtype=torch.bool
+    )  # position t is learned: its token is predicted at t-1
     for row, (ids, mask) in enumerate(chunk):  # right padding: positions start at 0 for every row
         input_ids_BT[row, : len(ids)] = torch.tensor(ids)
         attention_BT[row, : len(ids)] = 1
@@ -113,7 +127,9 @@ def _micro_batch_backward(policy: Any, chunk: Sequence[tuple[list[int], list[int
     targets_N = input_ids_BT[:, 1:].to(device)[predicts_BT]
     if head is not None:
         hidden_BTH = model.get_decoder()(**inputs).last_hidden_state[:, :-1]
-        logp_N, _ = token_logprobs(hidden_BTH[predicts_BT], head.weight, targets_N, torch.ones(len(targets_N), device=device))
+        logp_N, _ = token_logprobs(
+            hidden_BTH[predicts_BT], head.weight, targets_N, torch.ones(len(targets_N), device=device)
+        )
     else:  # an output layer with bias, scaling or soft-capping: the model's own logits
         logits_BTV = model(**inputs).logits[:, :-1].float()
         logp_N = torch.log_softmax(logits_BTV[predicts_BT], dim=-1).gather(-1, targets_N[:, None])[:, 0]
@@ -146,7 +162,9 @@ class SFTStage:
             self.steps = math.ceil(sft_cfg.epochs * len(self.demos) / sft_cfg.batch_size)
         self.seed = rt.seed
         self.cursor = TaskCursor(len(self.demos), rt.seed)
-        self.optimizer = torch.optim.AdamW(rt.policy.trainable_parameters(), lr=sft_cfg.lr, weight_decay=sft_cfg.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            rt.policy.trainable_parameters(), lr=sft_cfg.lr, weight_decay=sft_cfg.weight_decay
+        )
         self._rendered: dict[int, tuple[list[int], list[int]]] = {}
 
     def example(self, index: int) -> tuple[list[int], list[int]]:
@@ -167,9 +185,15 @@ class SFTStage:
                 rt.policy.model.train()
                 self.optimizer.zero_grad(set_to_none=True)
                 stats = sft_loss_and_backward(
-                    rt.policy, examples, sft_cfg.micro_batch_size, sft_cfg.micro_batch_tokens, sft_cfg.gradient_checkpointing,
+                    rt.policy,
+                    examples,
+                    sft_cfg.micro_batch_size,
+                    sft_cfg.micro_batch_tokens,
+                    sft_cfg.gradient_checkpointing,
                 )
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(rt.policy.trainable_parameters(), sft_cfg.max_grad_norm))
+                grad_norm = float(
+                    torch.nn.utils.clip_grad_norm_(rt.policy.trainable_parameters(), sft_cfg.max_grad_norm)
+                )
                 self.optimizer.step()
                 rt.policy.model.eval()
             return {**stats, "grad_norm": grad_norm}
@@ -178,8 +202,12 @@ class SFTStage:
             stats = await asyncio.to_thread(update)
             rt.policy.version += 1
         return {
-            "step": step, "policy_version": rt.policy.version, **stats, "lr": float(sft_cfg.lr),
-            "examples": len(examples), "seq_len_mean": sum(len(ids) for ids, _ in examples) / len(examples),
+            "step": step,
+            "policy_version": rt.policy.version,
+            **stats,
+            "lr": float(sft_cfg.lr),
+            "examples": len(examples),
+            "seq_len_mean": sum(len(ids) for ids, _ in examples) / len(examples),
             "time_update_s": time.perf_counter() - started,
         }
 
@@ -209,14 +237,18 @@ class SFTTrainer:
         resumed = await self.restore()
         if not resumed and self.eval_rows:
             await log_baseline(self.rt, await eval_during_training(self.rt, self.eval_rows, 0, self.algo.max_tokens))
-        with tqdm(total=self.steps, initial=self.step, desc="sft", dynamic_ncols=True, disable=not self.rt.progress) as bar:
+        with tqdm(
+            total=self.steps, initial=self.step, desc="sft", dynamic_ncols=True, disable=not self.rt.progress
+        ) as bar:
             while self.step < self.steps:
                 metrics = await self.stage.train_step(self.step)
                 done = self.step + 1
                 every = self.algo.eval_every
                 if done == self.steps or (every and done % every == 0):
                     metrics.update(await eval_during_training(self.rt, self.eval_rows, done, self.algo.max_tokens))
-                await save_checkpoint(self.rt, self.step, {"cursor": self.stage.cursor.state()}, self.stage.optimizer, metrics)
+                await save_checkpoint(
+                    self.rt, self.step, {"cursor": self.stage.cursor.state()}, self.stage.optimizer, metrics
+                )
                 append_metrics(self.run_dir, metrics)
                 bar.set_postfix(loss=f"{metrics['loss']:.4f}")
                 bar.update(1)
@@ -226,5 +258,9 @@ class SFTTrainer:
         draw_curves(self.run_dir)
         path = metrics_path(self.run_dir)
         last = json.loads(path.read_text().splitlines()[-1]) if path.is_file() else {}
-        return {"resumed": resumed, "steps": self.step, "adapter": str(final_dir), "metrics": {k: v for k, v in last.items() if k != "step"}}
-
+        return {
+            "resumed": resumed,
+            "steps": self.step,
+            "adapter": str(final_dir),
+            "metrics": {k: v for k, v in last.items() if k != "step"},
+        }

@@ -1,4 +1,5 @@
 """The GSM8K agent: one chat call, scored on its final `#### N` line (see scoring.py)."""
+
 from __future__ import annotations
 
 import openai
@@ -32,6 +33,9 @@ def demonstrations(split: str, prompt_template: str = "{question}") -> list[list
     """SFT conversations: the task's prompt as the user turn, the gold solution (ending in
     ``#### N``, calculator annotations stripped) as the assistant turn."""
     return [
-        [{"role": "user", "content": prompt_template.format(question=row["question"])}, {"role": "assistant", "content": solution_text(row)}]
+        [
+            {"role": "user", "content": prompt_template.format(question=row["question"])},
+            {"role": "assistant", "content": solution_text(row)},
+        ]
         for row in load_split(split)
     ]

@@ -4,6 +4,7 @@ Every turn appends the model's reply and the game's answer to one conversation, 
 route's prompts extend each other and the adapter merges the turns into one training
 sequence with only the model's tokens in the loss. Reward 1 on success, else 0.
 """
+
 from __future__ import annotations
 
 import random
@@ -23,7 +24,9 @@ def feedback(guess: int, secret: int) -> str:
     return "Too low. Guess again." if guess < secret else "Too high. Guess again."
 
 
-def guess_number_agent(task: dict, llm: agl.LLM, prompt_template: str = SYSTEM, max_turns: int = 6, **_: object) -> float:
+def guess_number_agent(
+    task: dict, llm: agl.LLM, prompt_template: str = SYSTEM, max_turns: int = 6, **_: object
+) -> float:
     client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key)
     secret = task["secret"]
     messages = [{"role": "system", "content": prompt_template}, {"role": "user", "content": FIRST}]

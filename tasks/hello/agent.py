@@ -3,6 +3,7 @@
 Reward is 1 when the reply contains the target name, plus a small bonus for staying short,
 so the policy learns a crisp self-introduction. SmolLM2 starts out calling itself "SmolLM".
 """
+
 from __future__ import annotations
 
 import openai

@@ -15,6 +15,7 @@ that lists the nouns of a category it names; its calls do not count as questions
 Left out: the seed's second answerer prompt that may reply "maybe", and a real web search.
 ``tasks/q20/crewai_agent.py`` plays the same game as a CrewAI flow (``pip install -e '.[crewai]'``).
 """
+
 from __future__ import annotations
 
 import json
@@ -28,7 +29,7 @@ from tasks.q20.nouns import NOUNS
 
 SYSTEM = (
     "Let's play twenty questions. I am thinking of something in the category: {category}. Ask me one yes-or-no question at a time "
-    "to find out which one. When you want to guess, ask \"Is it a ...?\" naming one thing."
+    'to find out which one. When you want to guess, ask "Is it a ...?" naming one thing.'
 )
 FIRST = "Ask your first question."
 ANSWERER = (
@@ -65,7 +66,11 @@ def is_secret(guess: str, answer: str) -> bool:
 
 def search(query: str) -> str:
     """The mock search tool: examples of every category the query names."""
-    hits = [f"Common {category}s: {', '.join(nouns)}." for category, nouns in NOUNS.items() if category.split()[-1] in query.lower()]
+    hits = [
+        f"Common {category}s: {', '.join(nouns)}."
+        for category, nouns in NOUNS.items()
+        if category.split()[-1] in query.lower()
+    ]
     return " ".join(hits) or "No results."
 
 
@@ -82,18 +87,35 @@ def search_query(arguments: str | None) -> str:
     return str(parsed.get("query", "")) if isinstance(parsed, dict) else ""
 
 
-def q20_agent(task: dict, llm: agl.LLM, prompt_template: str = SYSTEM, max_turns: int = 20, answerer: str = "base", search_tool: bool = False, **_: object) -> float:
+def q20_agent(
+    task: dict,
+    llm: agl.LLM,
+    prompt_template: str = SYSTEM,
+    max_turns: int = 20,
+    answerer: str = "base",
+    search_tool: bool = False,
+    **_: object,
+) -> float:
     client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key)
     answer, category = task["answer"], task["category"]
-    messages = [{"role": "system", "content": prompt_template.format(category=category)}, {"role": "user", "content": FIRST}]
+    messages = [
+        {"role": "system", "content": prompt_template.format(category=category)},
+        {"role": "user", "content": FIRST},
+    ]
     tools = {"tools": [SEARCH_TOOL]} if search_tool else {}
     questions = 0
     while questions < max_turns:
-        message = client.chat.completions.create(model=llm.model, messages=messages, **tools, **llm.sampling_parameters).choices[0].message
+        message = (
+            client.chat.completions.create(model=llm.model, messages=messages, **tools, **llm.sampling_parameters)
+            .choices[0]
+            .message
+        )
         if message.tool_calls:  # a search: answered by the tool, not counted as a question
             messages.append(message.model_dump(include={"role", "content", "tool_calls"}, exclude_none=True))
             for call in message.tool_calls:
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": search(search_query(call.function.arguments))})
+                messages.append(
+                    {"role": "tool", "tool_call_id": call.id, "content": search(search_query(call.function.arguments))}
+                )
             questions += 1  # bounded all the same: a player that only searches still ends
             continue
         question = message.content or ""
@@ -113,7 +135,10 @@ def ask_answerer(client: openai.OpenAI, model: str, answer: str, category: str, 
     """The frozen answerer's Yes or No (greedy; anything but a leading "yes" counts as No)."""
     reply = client.chat.completions.create(
         model=model,
-        messages=[{"role": "system", "content": ANSWERER.format(answer=answer, category=category)}, {"role": "user", "content": question}],
+        messages=[
+            {"role": "system", "content": ANSWERER.format(answer=answer, category=category)},
+            {"role": "user", "content": question},
+        ],
         max_tokens=3,
         temperature=0,
     )
@@ -151,7 +176,10 @@ def demonstrations(split: str, prompt_template: str = SYSTEM, max_turns: int = 2
         others = [r["answer"] for r in rows if r["category"] == row["category"] and r["answer"] != row["answer"]]
         rng.shuffle(others)
         order = others[: rng.randrange(min(len(others), max_turns - 1) + 1)] + [row["answer"]]
-        messages = [{"role": "system", "content": prompt_template.format(category=row["category"])}, {"role": "user", "content": FIRST}]
+        messages = [
+            {"role": "system", "content": prompt_template.format(category=row["category"])},
+            {"role": "user", "content": FIRST},
+        ]
         for noun in order:
             messages.append({"role": "assistant", "content": f"Is it {'an' if noun[0] in 'aeiou' else 'a'} {noun}?"})
             if noun != row["answer"]:

@@ -19,6 +19,7 @@ calls, so that text never reaches the conversation, and the turns after it start
 Needs ``pip install -e '.[crewai]'``: CrewAI pins ``openai<3`` and ``pydantic<2.13`` (a venv of its
 own: ``make test-crewai``).
 """
+
 from __future__ import annotations
 
 import os
@@ -64,9 +65,17 @@ class TwentyQuestions(Flow[Game]):
         reply = self.player.call(state.messages, tools=[SEARCH_TOOL] if self.search_tool else None)
         state.questions += 1
         if isinstance(reply, list):  # tool calls: CrewAI hands them back when it is given no functions to run
-            state.messages.append({"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True) for call in reply]})
+            state.messages.append(
+                {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [call.model_dump(exclude_none=True) for call in reply],
+                }
+            )
             for call in reply:
-                state.messages.append({"role": "tool", "tool_call_id": call.id, "content": search(search_query(call.function.arguments))})
+                state.messages.append(
+                    {"role": "tool", "tool_call_id": call.id, "content": search(search_query(call.function.arguments))}
+                )
             state.question = ""
             return
         state.question = str(reply)
@@ -103,9 +112,19 @@ def crewai_llm(llm: agl.LLM, model: str, **settings: Any) -> LLM:
     return LLM(model=f"openai/{model}", base_url=llm.base_url, api_key=llm.api_key, **settings)
 
 
-def play(task: dict, llm: agl.LLM, prompt_template: str = SYSTEM, max_turns: int = 20, answerer: str = "base", search_tool: bool = False) -> Game:
+def play(
+    task: dict,
+    llm: agl.LLM,
+    prompt_template: str = SYSTEM,
+    max_turns: int = 20,
+    answerer: str = "base",
+    search_tool: bool = False,
+) -> Game:
     """Play one game; its final state (``won``, ``questions``, the player's ``messages``)."""
-    messages = [{"role": "system", "content": prompt_template.format(category=task["category"])}, {"role": "user", "content": FIRST}]
+    messages = [
+        {"role": "system", "content": prompt_template.format(category=task["category"])},
+        {"role": "user", "content": FIRST},
+    ]
     if max_turns < 1:
         return Game(answer=task["answer"], category=task["category"], messages=messages)
     game = TwentyQuestions(
@@ -119,7 +138,15 @@ def play(task: dict, llm: agl.LLM, prompt_template: str = SYSTEM, max_turns: int
     return game.state
 
 
-def q20_crewai_agent(task: dict, llm: agl.LLM, prompt_template: str = SYSTEM, max_turns: int = 20, answerer: str = "base", search_tool: bool = False, **_: object) -> float:
+def q20_crewai_agent(
+    task: dict,
+    llm: agl.LLM,
+    prompt_template: str = SYSTEM,
+    max_turns: int = 20,
+    answerer: str = "base",
+    search_tool: bool = False,
+    **_: object,
+) -> float:
     """The agent (``task.agent``): reward 1 when the player names the secret within ``max_turns`` questions."""
     game = play(task, llm, prompt_template, max_turns, answerer, search_tool)
     agl.emit_metric("questions", float(game.questions))
