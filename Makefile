@@ -53,10 +53,11 @@ test: setup $(FW_VENV)/.installed $(CREW_VENV)/.installed
 	$(MAKE) --no-print-directory test-frameworks
 	$(MAKE) --no-print-directory test-crewai
 
-# ruff (pyproject.toml [tool.ruff]): pyflakes, pycodestyle errors, isort, bugbear, pyupgrade;
+# ruff (pyproject.toml [tool.ruff]): pyflakes, pycodestyle errors (lines <= 120), isort, bugbear, pyupgrade, and the format;
 # lint-imports (pyproject.toml [tool.importlinter]): the layers, no import cycles, no torch where no model runs
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check agl tests bench tasks harness.py
 	$(BIN)/lint-imports
 
 # agl's route and the frameworks under openai 2.x

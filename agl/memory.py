@@ -5,17 +5,12 @@ unmaps it on free; smaller ones come from heaps that give pages back only from t
 threshold starts at 128 KiB but, by default, rises to the size of every mmapped block freed
 (up to 32 MiB). So after the first steps a KV-cache tensor of a few MiB, an activation or a
 [64, V] logits block comes from a heap; tensors of ever-changing sizes fragment it, and the
-process keeps the pages. Pinning the threshold (mallopt) turns the rise off.
-
-Measured on SmolLM2, 128 GSM8K prompts x 256 greedy tokens through the engine at batch 64, one
-process per setting, back to back (bench/memory.py repeats it alternated):
-  default malloc:          peak RSS 6.4 GB, 5.8 GB still resident at the end, 375 tokens/s
-  pinned at 1 MiB (this):  peak RSS 3.7 GB, 1.3 GB at the end,               291 tokens/s (0.78x)
-  pinned at 4 MiB:         4.2 GB, 1.9 GB, 302 tokens/s; at 16 MiB: 6.3 GB, 4.0 GB, 355 tokens/s
-The price is page faults: every large tensor is fresh mmapped memory the kernel zeroes (system
-time 9 s -> 46 s of that run). The default job's evals at 64 rows peaked at 15 GB without it, so
-the default is the memory-safe setting; ``MALLOC_MMAP_THRESHOLD_`` (glibc's own variable, in
-bytes) overrides it, e.g. 33554432 for speed on a machine with memory to spare.
+process keeps the pages. Pinning the threshold (mallopt) turns the rise off: the engine's decode
+then keeps far less resident, at some of its speed. The price is page faults: every large tensor
+is fresh mmapped memory the kernel zeroes (system time). Measured, per threshold, and the default
+job's evals without it: BENCHMARKS.md "glibc's mmap threshold pinned". The default is the
+memory-safe setting; ``MALLOC_MMAP_THRESHOLD_`` (glibc's own variable, in bytes) overrides it,
+e.g. 33554432 for speed on a machine with memory to spare.
 
 ``trim`` (glibc's malloc_trim) gives back the free pages left inside heaps. Updates go further
 (``update_memory``): an update's many small, short-lived blocks of ever-changing sizes leave
@@ -26,10 +21,8 @@ no-ops there.
 The price of all this is page faults, and an allocator that reuses blocks by size class pays
 neither that price nor glibc's fragmentation. ``preload_allocator`` runs the process again, once,
 with tcmalloc (or jemalloc) loaded in glibc's place, where one is installed (``AGL_ALLOCATOR``);
-the pinning above then does not apply. bench/memory.py --phases, the default job's phases, one
-process each (BENCHMARKS.md, "Allocators"): against pinned glibc, tcmalloc ran the eval decode at
-1.36x the tokens/s, the SFT step in 0.44x the time and the GRPO update in 0.64x the time per
-trained token, at a process peak of 1,913 instead of 1,881 MiB; unpinned glibc peaked at 3,146.
+the pinning above then does not apply. Measured against pinned and unpinned glibc: BENCHMARKS.md
+"tcmalloc in glibc's place".
 
 ``cap_kernel_caches`` bounds what the heaps hold for good: the compiled kernels torch's CPU
 matmuls keep per shape (see there).
@@ -129,13 +122,12 @@ def cap_kernel_caches(capacity: int = KERNEL_CACHE_CAPACITY) -> None:
 
     On a CPU where torch runs matmuls through oneDNN (bf16 on AVX-512/AMX), every new shape
     compiles a kernel, and two LRU caches keep it: oneDNN's primitives and ideep's wrappers
-    around them, 1,024 entries each, ~0.3-1 MiB of heap per entry (more for a long prefill's).
-    A job's shapes never stop being new (every micro-batch and prefill has its own length), so
-    both caches fill: a shortened GRPO job's heaps held 305 MiB in use in its first eval and
-    616 MiB in its last. The decode step's working set is a few shapes (five weights at the
-    batch's current rows) and a micro-batch's a dozen, so 64 entries lose neither: an eval of 64
-    GSM8K problems (``algo=eval``, one process each) took 2:16 / 2:08 / 2:06 at 1,024 / 256 / 64
-    entries and peaked at 2,037 / 1,988 / 1,805 MiB; bench/kernel_caches.py has a job's mix.
+    around them, 1,024 entries each, every entry heap memory (more for a long prefill's). A job's
+    shapes never stop being new (every micro-batch and prefill has its own length), so both caches
+    fill, and the heaps' memory in use grows from a job's first eval to its last. The decode step's
+    working set is a few shapes (five weights at the batch's current rows) and a micro-batch's a
+    dozen, so 64 entries lose neither. Measured (heap per entry, a job's growth, an eval's time and
+    peak at 1,024 / 256 / 64 entries): BENCHMARKS.md "The kernel caches' capacity".
     Both libraries read the variables once, at their first kernel: call this before torch
     computes anything. Values already in the environment win.
     """
@@ -149,14 +141,13 @@ def update_memory():
 
     An update allocates many blocks between 256 KiB and 1 MiB whose sizes change with every
     micro-batch (a micro-batch of a few rows has activations that size: [2, 150, 576] fp32 is
-    675 KiB). From a heap they fragment it: at one GRPO update's peak (mallinfo2) the heaps held
-    0.5-0.9 GB free against 0.4 GB in use. Mapped, each is unmapped when freed (glibc maps only
-    what its heaps cannot serve, so part of them still comes from the heaps' free space).
-    bench/memory.py --phases, SmolLM2, the default GRPO update (32 samples, ~6,300 tokens) and SFT
-    step, against the heaps: update peak RSS 2,128 -> 1,730 MiB at 1.23x its time (the kernel zeroes
-    every fresh page: system time), SFT step 1,336 -> 1,272 MiB at 1.06x. Only where
-    ``release_freed_memory`` pinned the threshold (not under the user's ``MALLOC_MMAP_THRESHOLD_``);
-    the engine is paused meanwhile, so nothing else allocates much.
+    675 KiB). From a heap they fragment it: at an update's peak the heaps hold more free than in
+    use. Mapped, each is unmapped when freed (glibc maps only what its heaps cannot serve, so part
+    of them still comes from the heaps' free space). That lowers the update's and the SFT step's
+    peak RSS at some of their time (the kernel zeroes every fresh page: system time). Measured:
+    BENCHMARKS.md "The update's blocks mapped". Only where ``release_freed_memory`` pinned the
+    threshold (not under the user's ``MALLOC_MMAP_THRESHOLD_``); the engine is paused meanwhile, so
+    nothing else allocates much.
     """
     lowered = _pinned is not None and _set_threshold(UPDATE_MMAP_THRESHOLD_BYTES)
     try:
@@ -177,8 +168,8 @@ def trim() -> bool:
 
     With the pinned threshold only blocks under 1 MiB live in heaps, but a phase that makes many
     of them (an update's autograd graph, a decode's small tensors) leaves free pages between the
-    live ones, which a heap keeps until its top is free. A few ms; the trainers call it after each
-    update (bench/results/memory_phases.md has what it gives back).
+    live ones, which a heap keeps until its top is free. The trainers call it after each update
+    (its time, and what it gives back: BENCHMARKS.md "Trimming and collecting").
     """
     malloc_trim = _libc_function("malloc_trim")
     if malloc_trim is None:
@@ -188,11 +179,12 @@ def trim() -> bool:
 
 
 def collect() -> None:
-    """A full garbage collection, then ``trim``: ~0.2 s with SmolLM2 loaded (~600k objects).
+    """A full garbage collection, then ``trim`` (its time with SmolLM2 loaded: BENCHMARKS.md
+    "Trimming and collecting").
 
     Agents leave reference cycles (an ``openai.OpenAI`` client made per rollout sits in one with
-    its SSL context, ~0.65 MiB of OpenSSL heap), and with that many long-lived objects Python's
-    own full collections are rare: one in 160 rollouts of a GSM8K eval. The runtime calls this
+    its SSL context and its OpenSSL heap), and with a loaded model's many long-lived objects
+    Python's own full collections are rare (measured: the same section). The runtime calls this
     every ``runner.collect_every`` finished rollouts.
     """
     gc.collect()

@@ -71,7 +71,8 @@ def fresh_run_dir(cfg: DictConfig) -> Path:
 
 
 def save_config(cfg: DictConfig, overrides: tuple[str, ...], run_dir: Path) -> None:
-    """What Hydra writes to ``.hydra/``: the composed config (``resume=`` reads it) and the overrides (sweeps read them)."""
+    """What Hydra writes to ``.hydra/``: the composed config (``resume=`` reads it) and the overrides (sweeps read
+    them)."""
     hydra_dir = run_dir / ".hydra"
     hydra_dir.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(cfg, hydra_dir / "config.yaml")

@@ -77,7 +77,8 @@ class Runtime:
         if runner.n < 1 and self.processes_n < 1:
             raise ConfigError(
                 "runner.n=0 and runner.processes=0: nothing would run the rollouts. Give this job runners "
-                "(runner.n) or runner processes (runner.processes); algo=runner attach=<run dir> adds more to a running job"
+                "(runner.n) or runner processes (runner.processes); "
+                "algo=runner attach=<run dir> adds more to a running job"
             )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.task: Task = load_task(self.task_config)

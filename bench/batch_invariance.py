@@ -69,8 +69,10 @@ def markdown(r: dict) -> str:
     lines = [
         "# Batched vs. batch-invariant sampling",
         "",
-        f"`PYTHONPATH=. .venv/bin/python bench/batch_invariance.py --dtype {r['dtype']} --seqs {r['seqs']} --tokens {r['tokens']}`: "
-        f"SmolLM2-135M-Instruct NF4, {r['dtype']} compute, {r['seqs']} seeded sequences x {r['tokens']} new tokens submitted together, "
+        "`PYTHONPATH=. .venv/bin/python bench/batch_invariance.py "
+        f"--dtype {r['dtype']} --seqs {r['seqs']} --tokens {r['tokens']}`: "
+        f"SmolLM2-135M-Instruct NF4, {r['dtype']} compute, "
+        f"{r['seqs']} seeded sequences x {r['tokens']} new tokens submitted together, "
         f"medians of {r['rounds']} alternated rounds.",
         "",
         "| engine | tokens/s | sequence 0 identical to sampling it alone |",

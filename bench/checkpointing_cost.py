@@ -5,7 +5,8 @@ embedded model (NF4 + fresh LoRA r16, dapo, lr 0: the weights never change), wit
 and off, alternated for ``--rounds`` rounds in one process; medians. The memory it saves is
 bench/memory.py --phases' (BENCHMARKS.md "Memory of the default job").
 
-    PYTHONPATH=. .venv/bin/python bench/checkpointing_cost.py       # ~3 min; writes bench/results/checkpointing_cost.{md,json}
+    # ~3 min; writes bench/results/checkpointing_cost.{md,json}
+    PYTHONPATH=. .venv/bin/python bench/checkpointing_cost.py
 """
 
 from __future__ import annotations
@@ -91,13 +92,16 @@ def main() -> None:
     lines = [
         "# Update time with and without replaying decoder layers in backward",
         "",
-        f"{result['date']}, {result['cpu']}, {result['threads']} torch threads. One GRPO update of {ROWS} x {args.tokens} completion tokens "
-        f"sharing a {PROMPT}-token prompt ({tokens:.0f} tokens run), medians of {args.rounds} alternated rounds. Written by `bench/checkpointing_cost.py`.",
+        f"{result['date']}, {result['cpu']}, {result['threads']} torch threads. "
+        f"One GRPO update of {ROWS} x {args.tokens} completion tokens "
+        f"sharing a {PROMPT}-token prompt ({tokens:.0f} tokens run), medians of {args.rounds} alternated rounds. "
+        "Written by `bench/checkpointing_cost.py`.",
         "",
         "| `algo.gradient_checkpointing` | update s | forward s | backward s | ms per token run |",
         "|---|---:|---:|---:|---:|",
         *(
-            f"| {name} | {m['step_s']:.1f} | {m['forward_s']:.1f} | {m['backward_s']:.1f} | {1000 * m['step_s'] / m['tokens']:.1f} |"
+            f"| {name} | {m['step_s']:.1f} | {m['forward_s']:.1f} | {m['backward_s']:.1f} | "
+            f"{1000 * m['step_s'] / m['tokens']:.1f} |"
             for name, m in med.items()
         ),
         "",

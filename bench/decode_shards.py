@@ -94,7 +94,8 @@ def main() -> None:
     lines = [
         "# A decode step: one batch on every thread vs. half batches one thread each",
         "",
-        f"{result['date']}, {result['cpu']}, {threads} torch threads, {args.cached} cached positions per row, medians of "
+        f"{result['date']}, {result['cpu']}, {threads} torch threads, {args.cached} cached positions per row, "
+        "medians of "
         f"{args.rounds} alternated rounds. Written by `bench/decode_shards.py`.",
         "",
         "| rows | one batch ms | two halves at once ms | one thread ms | halves / one batch |",
@@ -103,7 +104,8 @@ def main() -> None:
     for lv in levels:
         ms = lv["ms"]
         lines.append(
-            f"| {lv['rows']} | {ms['one batch']:.0f} | {ms['two halves']:.0f} | {ms['one thread']:.0f} | {ms['two halves'] / ms['one batch']:.2f} |"
+            f"| {lv['rows']} | {ms['one batch']:.0f} | {ms['two halves']:.0f} | {ms['one thread']:.0f} | "
+            f"{ms['two halves'] / ms['one batch']:.2f} |"
         )
     (RESULTS / "decode_shards.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -152,7 +152,8 @@ def main(args: argparse.Namespace) -> None:
                     result = run_arm(arm, args)
                     runs[arm["name"]].append(result)
                     print(
-                        f"round {round_ + 1}, {arm['name']}: {result['tokens_per_s']:.1f} tok/s, peak {result['peak_rss_mib']:.0f} MiB, sys {result['system_s']:.0f} s",
+                        f"round {round_ + 1}, {arm['name']}: {result['tokens_per_s']:.1f} tok/s, "
+                        f"peak {result['peak_rss_mib']:.0f} MiB, sys {result['system_s']:.0f} s",
                         flush=True,
                     )
         finally:
@@ -191,16 +192,20 @@ def main(args: argparse.Namespace) -> None:
         "# The engine on an eval-like workload, arms side by side",
         "",
         f"{result['date']}; {args.requests} GSM8K test prompts, {args.clients} clients, greedy, max_tokens uniform in "
-        f"[{args.min_tokens}, {args.max_tokens}] (seed {args.seed}), ignore_eos; {args.rounds} alternated rounds, medians. "
+        f"[{args.min_tokens}, {args.max_tokens}] (seed {args.seed}), ignore_eos; "
+        f"{args.rounds} alternated rounds, medians. "
         f"bf16 2048² matmul before/after: {probes[0]:.0f} / {probes[1]:.0f} GFLOP/s.",
         "",
-        "| arm | tokens/s | × baseline | wall s | user CPU s | system CPU s | peak RSS MiB | RSS after load MiB | same tokens as baseline |",
+        "| arm | tokens/s | × baseline | wall s | user CPU s | system CPU s | peak RSS MiB | RSS after load MiB "
+        "| same tokens as baseline |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         lines.append(
-            f"| {s['arm']} | {s['tokens_per_s']:.1f} | {s['tokens_per_s'] / base['tokens_per_s']:.2f} | {s['wall_s']:.0f} | {s['user_s']:.0f} | "
-            f"{s['system_s']:.0f} | {s['peak_rss_mib']:.0f} | {s['rss_after_load_mib']:.0f} | {s['same_tokens_as_baseline']:.0%} |"
+            f"| {s['arm']} | {s['tokens_per_s']:.1f} | {s['tokens_per_s'] / base['tokens_per_s']:.2f} | "
+            f"{s['wall_s']:.0f} | {s['user_s']:.0f} | "
+            f"{s['system_s']:.0f} | {s['peak_rss_mib']:.0f} | {s['rss_after_load_mib']:.0f} | "
+            f"{s['same_tokens_as_baseline']:.0%} |"
         )
     lines += ["", f"`PYTHONPATH=. .venv/bin/python bench/engine_ab.py {' '.join(sys.argv[1:])}`", ""]
     (RESULTS / "engine_ab.md").write_text("\n".join(lines))

@@ -151,20 +151,25 @@ def markdown(result: dict, command: str) -> str:
     lines = [
         "# An eval's resident memory over time",
         "",
-        f"{result['date']}. `{command}`. The GRPO job's greedy eval (store, engine, HTTP route, 32 runners, the GSM8K agent) "
+        f"{result['date']}. `{command}`. "
+        "The GRPO job's greedy eval (store, engine, HTTP route, 32 runners, the GSM8K agent) "
         f"on the first {result['problems']} test problems, set up as harness.py is; {result['seconds']:.0f} s, "
-        f"{result['completion_tokens']} completion tokens. Process peak RSS {result['peak_rss_mib']} MiB; the KV buffers peaked at "
-        f"{result['max_kv_buffers_mib']} MiB. Heap in use grew by **{result['heap_growth_per_rollout_mib']:.2f} MiB per rollout** "
+        f"{result['completion_tokens']} completion tokens. Process peak RSS {result['peak_rss_mib']} MiB; "
+        "the KV buffers peaked at "
+        f"{result['max_kv_buffers_mib']} MiB. "
+        f"Heap in use grew by **{result['heap_growth_per_rollout_mib']:.2f} MiB per rollout** "
         "(start of the eval to its end, after a full garbage collection and malloc_trim).",
         "",
-        "| when | s | RSS MiB | of it file-backed MiB | KV buffers MiB | rows | glibc arenas MiB | in use there MiB | glibc mmapped MiB | full GCs |",
+        "| when | s | RSS MiB | of it file-backed MiB | KV buffers MiB | rows | glibc arenas MiB | in use there MiB "
+        "| glibc mmapped MiB | full GCs |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     step = max(1, len(result["samples"]) // 12)
     picked = [("during", s) for s in result["samples"][::step]]
     picked += [("end", result["at_end"]), ("after gc + trim", result["after_gc_and_trim"])]
     lines += [
-        f"| {when} | {s['s']:.0f} | {s['rss_mib']} | {s['file_backed_mib']} | {s['kv_buffers_mib']} | {s['rows']} | {s['arenas_mib']} | {s['heap_in_use_mib']} | "
+        f"| {when} | {s['s']:.0f} | {s['rss_mib']} | {s['file_backed_mib']} | {s['kv_buffers_mib']} | {s['rows']} | "
+        f"{s['arenas_mib']} | {s['heap_in_use_mib']} | "
         f"{s['mmapped_mib']} | {s['full_gcs']} |"
         for when, s in picked
     ]

@@ -239,7 +239,8 @@ def run_trl(steps: int, new_tokens: int, gradient_checkpointing: bool, compute_d
             loss_type="dapo",
             epsilon=EPSILON,
             epsilon_high=EPSILON_HIGH,
-            activation_checkpointing=gradient_checkpointing,  # transformers 5's name; TRL's default (gradient_checkpointing) is on
+            # transformers 5's name; TRL's default (gradient_checkpointing) is on
+            activation_checkpointing=gradient_checkpointing,
             logging_steps=1,
             report_to=[],
             save_strategy="no",
@@ -422,7 +423,9 @@ def main() -> None:
         "--trl-malloc",
         default="glibc",
         choices=["glibc", "auto", *ALLOCATORS],
-        help="TRL's malloc (AGL_ALLOCATOR's names; default glibc, as TRL runs). agl's is AGL_ALLOCATOR's (default auto)",
+        help=(
+            "TRL's malloc (AGL_ALLOCATOR's names; default glibc, as TRL runs). agl's is AGL_ALLOCATOR's (default auto)"
+        ),
     )
     parser.add_argument("--worker", choices=list(SYSTEMS), help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -478,7 +481,8 @@ def render(result: dict) -> str:
         "" if peak["bf16_native"] else f" (not native here; {peak['bf16_probe_n']}² probe)"
     )
     checkpointing = (
-        "on in both (agl `algo.gradient_checkpointing=true`, TRL `gradient_checkpointing`/`activation_checkpointing=True`, TRL 1.16's default)"
+        "on in both (agl `algo.gradient_checkpointing=true`, "
+        "TRL `gradient_checkpointing`/`activation_checkpointing=True`, TRL 1.16's default)"
         if work["gradient_checkpointing"]
         else "off in both (agl `algo.gradient_checkpointing=false`, TRL `activation_checkpointing=False`)"
     )
@@ -486,8 +490,10 @@ def render(result: dict) -> str:
     lines = [
         f"# GRPO step: agl vs TRL GRPOTrainer, <= {work['new_tokens']} new tokens",
         "",
-        f"{result['date']}. SmolLM2-135M-Instruct NF4 + LoRA r16, CPU (2 cores). B={work['B']} prompts x G={work['G']}, "
-        f"<= {work['new_tokens']} new tokens, lr {work['lr']}, DAPO (clip {work['epsilon']} / {work['epsilon_high']}), beta 0, mu 1. "
+        f"{result['date']}. SmolLM2-135M-Instruct NF4 + LoRA r16, CPU (2 cores). "
+        f"B={work['B']} prompts x G={work['G']}, "
+        f"<= {work['new_tokens']} new tokens, lr {work['lr']}, "
+        f"DAPO (clip {work['epsilon']} / {work['epsilon_high']}), beta 0, mu 1. "
         f"Activation checkpointing: {checkpointing}. "
         f"Median over timed steps (after a warm-up step per process), systems alternated. Matmul peak measured here: "
         f"{bf16_probe}, fp32 {peak['fp32_gflops']:.0f} GFLOP/s. {versions}. Written by `bench/grpo_vs_trl.py`:",
@@ -523,7 +529,8 @@ def render(result: dict) -> str:
         "",
         "`trl`: TRL's GRPOTrainer on agl's policy object (the same NF4 base and fresh LoRA) with agl's compute dtype "
         "(model.compute_dtype=auto: bf16 where the CPU has it natively, else fp32; bitsandbytes' CPU repacking off). "
-        "`trl-fp32`: the same with fp32 compute, bitsandbytes' default. Memory: agl's worker as `harness.py` sets it up "
+        "`trl-fp32`: the same with fp32 compute, bitsandbytes' default. "
+        "Memory: agl's worker as `harness.py` sets it up "
         "(AGL_ALLOCATOR's malloc, default tcmalloc or jemalloc where installed, else glibc with its mmap threshold "
         "pinned; capped kernel caches); TRL's on `--trl-malloc` (default glibc, untouched). Row 'malloc'.",
     ]

@@ -198,9 +198,12 @@ def main() -> None:
     lines = [
         "# Kernel caches: heap in use over a job's shapes, at the libraries' capacity and at agl's",
         "",
-        f"{result['date']}. `PYTHONPATH=. .venv/bin/python bench/kernel_caches.py --steps {args.steps} --prompts {args.prompts} --rounds {args.rounds}`. "
-        "SmolLM2-135M-Instruct (nf4 + LoRA r16), this CPU's compute dtype, mmap threshold pinned as harness.py does; one fresh process per "
-        f"capacity, capacities alternating, medians of {args.rounds} round(s). Heap in use: mallinfo2's uordblks after a GC and a trim. "
+        f"{result['date']}. `PYTHONPATH=. .venv/bin/python bench/kernel_caches.py "
+        f"--steps {args.steps} --prompts {args.prompts} --rounds {args.rounds}`. "
+        "SmolLM2-135M-Instruct (nf4 + LoRA r16), this CPU's compute dtype, mmap threshold pinned as harness.py does; "
+        "one fresh process per "
+        f"capacity, capacities alternating, medians of {args.rounds} round(s). "
+        "Heap in use: mallinfo2's uordblks after a GC and a trim. "
         f"bf16 matmul probe after the runs: {result['bf16_gflops_after']:.0f} GFLOP/s.",
         "",
         "| stage | "

@@ -85,8 +85,9 @@ def child(prompts: int) -> dict:
 
 PHASE_VARIANTS: dict[str, dict] = {
     # name -> {"grpo": GRPOConfig overrides, "sft": SFTConfig overrides, "trim": malloc_trim(0) after each phase (as the
-    # trainers now do after an update), "head_chunk_bytes": agl.train.logprobs.CHUNK_BYTES (1 << 62: the whole [N, V] at once, as before),
-    # "update_mmap_threshold": agl.memory.UPDATE_MMAP_THRESHOLD_BYTES (1 << 20: updates take their blocks under 1 MiB from heaps, as before)}
+    # trainers now do after an update), "head_chunk_bytes": agl.train.logprobs.CHUNK_BYTES (1 << 62: the whole [N, V]
+    # at once, as before), "update_mmap_threshold": agl.memory.UPDATE_MMAP_THRESHOLD_BYTES (1 << 20: updates take their
+    # blocks under 1 MiB from heaps, as before)}
     "before": {
         "grpo": {"gradient_checkpointing": False},
         "sft": {"gradient_checkpointing": False},
@@ -97,7 +98,8 @@ PHASE_VARIANTS: dict[str, dict] = {
     "update from heaps": {"grpo": {}, "sft": {}, "trim": True, "update_mmap_threshold": 1 << 20},
     "after": {"grpo": {}, "sft": {}, "trim": True},
     # Allocators. "pin": False leaves glibc's mmap threshold to glibc (dynamic), as without harness.py; "preload": a
-    # malloc loaded in glibc's place (LD_PRELOAD, the library found by --jemalloc / --tcmalloc), with "env" for its options.
+    # malloc loaded in glibc's place (LD_PRELOAD, the library found by --jemalloc / --tcmalloc), with "env" for its
+    # options.
     "glibc unpinned": {"grpo": {}, "sft": {}, "trim": True, "pin": False},
     "jemalloc": {"grpo": {}, "sft": {}, "trim": True, "pin": False, "preload": "jemalloc"},
     "jemalloc, pages back after 1 s": {
@@ -201,7 +203,8 @@ def tensor_bytes(tensors) -> int:
 
 
 def phases_child(variant: dict, decode_prompts: int, decode_batch: int) -> dict:
-    """The default job's phases, in order, in this (fresh) process: per phase RSS at its start, its peak and at its end."""
+    """The default job's phases, in order, in this (fresh) process: per phase RSS at its start, its peak and at its
+    end."""
     from agl.memory import release_freed_memory, trim
 
     if variant.get("pin", True):
@@ -311,9 +314,12 @@ def phases_child(variant: dict, decode_prompts: int, decode_batch: int) -> dict:
         rows = min(decode_batch, decode_prompts)
         longest = max(len(p) for p in test[:rows]) + 256
         phases[-1]["what"] = (
-            f"{decode_prompts} prompts x 256 tokens, batch {rows}: KV cache {kv_per_token * sum(len(p) + 256 for p in test[:rows]) / mib:.0f} MiB "
-            f"filled, {kv_per_token * rows * longest / mib:.0f} MiB as one left-padded batch; logits [{rows}, {config.vocab_size}] fp32 "
-            f"{rows * config.vocab_size * 4 / mib:.0f} MiB; {sum(len(s.token_ids) for s in seqs) / phases[-1]['seconds']:.0f} tokens/s"
+            f"{decode_prompts} prompts x 256 tokens, batch {rows}: "
+            f"KV cache {kv_per_token * sum(len(p) + 256 for p in test[:rows]) / mib:.0f} MiB "
+            f"filled, {kv_per_token * rows * longest / mib:.0f} MiB as one left-padded batch; "
+            f"logits [{rows}, {config.vocab_size}] fp32 "
+            f"{rows * config.vocab_size * 4 / mib:.0f} MiB; "
+            f"{sum(len(s.token_ids) for s in seqs) / phases[-1]['seconds']:.0f} tokens/s"
         )
 
         random.seed(0)
@@ -345,8 +351,10 @@ def phases_child(variant: dict, decode_prompts: int, decode_batch: int) -> dict:
         stats = phase("SFT warm-up step", "", sft_step)
         opt = tensor_bytes(t for s in sft_optimizer.state.values() for t in s.values() if torch.is_tensor(t))
         phases[-1]["what"] = (
-            f"batch {sft.batch_size} x {sum(len(i) for i, _ in examples) / len(examples):.0f} tokens, micro-batch {sft.micro_batch_size}: "
-            f"autograd-saved tensors peak {saved.peak / mib:.0f} MiB; AdamW state {opt / mib:.0f} MiB, gradients {adapter / mib:.0f} MiB; loss {stats['loss']:.6f}"
+            f"batch {sft.batch_size} x {sum(len(i) for i, _ in examples) / len(examples):.0f} tokens, "
+            f"micro-batch {sft.micro_batch_size}: "
+            f"autograd-saved tensors peak {saved.peak / mib:.0f} MiB; AdamW state {opt / mib:.0f} MiB, "
+            f"gradients {adapter / mib:.0f} MiB; loss {stats['loss']:.6f}"
         )
         policy.version += 1
 
@@ -356,11 +364,14 @@ def phases_child(variant: dict, decode_prompts: int, decode_batch: int) -> dict:
         seqs = phase("GRPO rollouts", "", lambda: loop.run_until_complete(decode(picked, params, grpo.group_size)))
         rows = grpo.batch_size * grpo.group_size
         phases[-1]["what"] = (
-            f"B{grpo.batch_size} x G{grpo.group_size} <= {grpo.max_tokens} tokens (mean {sum(len(s.token_ids) for s in seqs) / len(seqs):.0f}): "
+            f"B{grpo.batch_size} x G{grpo.group_size} <= {grpo.max_tokens} tokens "
+            f"(mean {sum(len(s.token_ids) for s in seqs) / len(seqs):.0f}): "
             f"KV cache {kv_per_token * sum(len(s.prompt_ids) + len(s.token_ids) for s in seqs) / mib:.0f} MiB filled, "
-            f"{kv_per_token * rows * (max(len(p) for p in picked) + grpo.max_tokens) / mib:.0f} MiB at {rows} rows x the longest"
+            f"{kv_per_token * rows * (max(len(p) for p in picked) + grpo.max_tokens) / mib:.0f} MiB "
+            f"at {rows} rows x the longest"
         )
-        # Rewards 0/1 alternating in each group, so every group trains (the most tokens an update can get); memory does not depend on their values.
+        # Rewards 0/1 alternating in each group, so every group trains (the most tokens an update can get); memory does
+        # not depend on their values.
         samples = [
             Sample(
                 str(i),
@@ -390,9 +401,12 @@ def phases_child(variant: dict, decode_prompts: int, decode_batch: int) -> dict:
         chunks = plan_micro_batches(samples, grpo.micro_batch_size, grpo.micro_batch_tokens)
         most = max(sum(len(samples[i].completion_ids) for i in c) for c in chunks)
         phases[-1]["what"] = (
-            f"{len(samples)} samples, {metrics['train_input_tokens']:.0f} tokens run in {len(chunks)} micro-batches: autograd-saved tensors "
-            f"peak {saved.peak / mib:.0f} MiB; fused head's probabilities [{most}, {config.vocab_size}] fp32 {most * config.vocab_size * 4 / mib:.0f} MiB "
-            f"(in it); AdamW state {opt / mib:.0f} MiB; loss {metrics['loss']:.6f}, grad_norm {metrics['grad_norm']:.6f}"
+            f"{len(samples)} samples, {metrics['train_input_tokens']:.0f} tokens run in {len(chunks)} micro-batches: "
+            "autograd-saved tensors "
+            f"peak {saved.peak / mib:.0f} MiB; fused head's probabilities [{most}, {config.vocab_size}] fp32 "
+            f"{most * config.vocab_size * 4 / mib:.0f} MiB "
+            f"(in it); AdamW state {opt / mib:.0f} MiB; "
+            f"loss {metrics['loss']:.6f}, grad_norm {metrics['grad_norm']:.6f}"
         )
         loop.run_until_complete(engine.stop())
         loop.close()
@@ -446,13 +460,19 @@ def phases_main(args) -> None:
     lines = [
         "# Resident memory of the default GRPO job, phase by phase",
         "",
-        f"{result['date']}. `PYTHONPATH=. .venv/bin/python bench/memory.py --phases --prompts {args.prompts} --batch {args.batch} --rounds {args.rounds} "
+        f"{result['date']}. `PYTHONPATH=. .venv/bin/python bench/memory.py --phases --prompts {args.prompts} "
+        f"--batch {args.batch} --rounds {args.rounds} "
         f"--variants {' '.join(args.variants)}`. "
-        "SmolLM2-135M-Instruct (nf4 + LoRA r16), this CPU's compute dtype, mmap threshold pinned as harness.py does. One process per variant "
-        "runs the default job's phases in order: load the policy; build the engine's merged sampler weights; an eval-like greedy decode "
-        f"({args.prompts} GSM8K test prompts x 256 tokens, eos ignored, engine batch {args.batch}, no HTTP); one SFT warm-up step (SFTConfig's "
-        "defaults: 8 demonstrations, micro-batch 4); one GRPO step's rollouts (4 train prompts x 8 samples, <= 256 tokens, temperature 0.8) and its "
-        "update (GRPOConfig's defaults; rewards 0/1 alternating so every group trains). RSS sampled from /proc/self/statm every 10 ms.",
+        "SmolLM2-135M-Instruct (nf4 + LoRA r16), this CPU's compute dtype, mmap threshold pinned as harness.py does. "
+        "One process per variant "
+        "runs the default job's phases in order: load the policy; build the engine's merged sampler weights; "
+        "an eval-like greedy decode "
+        f"({args.prompts} GSM8K test prompts x 256 tokens, eos ignored, engine batch {args.batch}, no HTTP); "
+        "one SFT warm-up step (SFTConfig's "
+        "defaults: 8 demonstrations, micro-batch 4); "
+        "one GRPO step's rollouts (4 train prompts x 8 samples, <= 256 tokens, temperature 0.8) and its "
+        "update (GRPOConfig's defaults; rewards 0/1 alternating so every group trains). "
+        "RSS sampled from /proc/self/statm every 10 ms.",
         "",
     ]
     for name, run in last.items():
@@ -484,7 +504,8 @@ def phases_main(args) -> None:
                 f"| {name} | "
                 + " | ".join(f"{p['peak_mib']:.0f}" for p in run["phases"])
                 + f" | {run['ru_maxrss_mib']:.0f} | "
-                f"{run['sft_s']:.1f} ({run['sft_s'] / ref['sft_s']:.2f}x) | {run['update_s']:.1f} ({run['update_s'] / ref['update_s']:.2f}x) | "
+                f"{run['sft_s']:.1f} ({run['sft_s'] / ref['sft_s']:.2f}x) | "
+                f"{run['update_s']:.1f} ({run['update_s'] / ref['update_s']:.2f}x) | "
                 f"{run['sft_loss']:.6f} | {run['grpo_loss']:.6f} | {run['grpo_grad_norm']:.6f} |"
             )
         lines.append("")
@@ -560,8 +581,10 @@ def main() -> None:
     lines = [
         "# Resident memory of the engine's decode: default malloc vs. the pinned mmap threshold",
         "",
-        f"{result['date']}. SmolLM2-135M-Instruct (nf4 + LoRA, merged sampler), CPU. {args.prompts} GSM8K test prompts x 256 greedy "
-        f"tokens, 64 at a time, through `Engine` (no HTTP). Medians of {args.rounds} rounds, variants alternating, each in a fresh process. "
+        f"{result['date']}. SmolLM2-135M-Instruct (nf4 + LoRA, merged sampler), CPU. "
+        f"{args.prompts} GSM8K test prompts x 256 greedy "
+        "tokens, 64 at a time, through `Engine` (no HTTP). "
+        f"Medians of {args.rounds} rounds, variants alternating, each in a fresh process. "
         "Written by `bench/memory.py`.",
         "",
         "| malloc | RSS after load (MiB) | peak RSS (MiB) | RSS at the end (MiB) | tokens/s |",

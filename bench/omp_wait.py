@@ -15,7 +15,8 @@ rounds; medians. Per setting:
   - ``route``: 32 ``AsyncOpenAI`` clients through the HTTP route, 64 GSM8K requests x 64 greedy
     tokens, in tokens/s: the event loop, the clients and the engine thread share the cores.
 
-    PYTHONPATH=. .venv/bin/python bench/omp_wait.py [--rounds 3]   # ~4 min a round on the AMX machine; writes bench/results/omp_wait.{md,json}
+    # ~4 min a round on the AMX machine; writes bench/results/omp_wait.{md,json}
+    PYTHONPATH=. .venv/bin/python bench/omp_wait.py [--rounds 3]
 """
 
 from __future__ import annotations
@@ -136,13 +137,18 @@ def main() -> None:
     lines = [
         "# OpenMP wait policy: decode step, update micro-batch and the route, one process per setting",
         "",
-        f"{result['date']}, {result['cpu']}, medians of {args.rounds} alternated rounds. Written by `bench/omp_wait.py`.",
+        f"{result['date']}, {result['cpu']}, medians of {args.rounds} alternated rounds. "
+        "Written by `bench/omp_wait.py`.",
         "",
-        "| setting | decode step ms (batch 32) | update micro-batch s | route tok/s (32 clients) | decode / update / route vs passive |",
+        "| setting | decode step ms (batch 32) | update micro-batch s | route tok/s (32 clients) "
+        "| decode / update / route vs passive |",
         "|---|---:|---:|---:|---|",
     ]
     for name, m in medians.items():
-        ratios = f"{base['decode_ms'] / m['decode_ms']:.2f}× / {base['update_s'] / m['update_s']:.2f}× / {m['route_tok_s'] / base['route_tok_s']:.2f}×"
+        ratios = (
+            f"{base['decode_ms'] / m['decode_ms']:.2f}× / {base['update_s'] / m['update_s']:.2f}× / "
+            f"{m['route_tok_s'] / base['route_tok_s']:.2f}×"
+        )
         lines.append(f"| {name} | {m['decode_ms']:.1f} | {m['update_s']:.2f} | {m['route_tok_s']:.1f} | {ratios} |")
     (RESULTS / "omp_wait.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -218,14 +218,17 @@ def render(result: dict) -> str:
     if "fused, LoRA merged" in rounds and len(rounds["fused, LoRA merged"]) > 1:
         ratios = sorted(m / p for m, p in zip(rounds["fused, LoRA merged"], rounds["fused, peft LoRA"]))
         paired = (
-            f"\nUpdate micro-batch, LoRA merged / peft LoRA, per round (paired): median **{statistics.median(ratios):.3f}**, "
-            f"{sum(r < 1 for r in ratios)} of {len(ratios)} rounds below 1; sorted: {', '.join(f'{r:.3f}' for r in ratios)}.\n"
+            "\nUpdate micro-batch, LoRA merged / peft LoRA, per round (paired): "
+            f"median **{statistics.median(ratios):.3f}**, "
+            f"{sum(r < 1 for r in ratios)} of {len(ratios)} rounds below 1; "
+            f"sorted: {', '.join(f'{r:.3f}' for r in ratios)}.\n"
         )
     lines = [
         "# Step parts: alternatives side by side",
         "",
         f"{result['date']}. SmolLM2-135M-Instruct NF4 + LoRA r16, compute dtype auto ({result['compute_dtype']}), CPU; "
-        f"{result['compute_dtype']} 2048² matmul probe {result['matmul_probe_gflops'][0]:.0f} / {result['matmul_probe_gflops'][1]:.0f} GFLOP/s "
+        f"{result['compute_dtype']} 2048² matmul probe "
+        f"{result['matmul_probe_gflops'][0]:.0f} / {result['matmul_probe_gflops'][1]:.0f} GFLOP/s "
         "before / after. Medians of alternated rounds. Written by `bench/profile_step.py`.",
         "",
         "| part | variant | ms or s |",

@@ -163,7 +163,8 @@ def markdown(result: dict) -> str:
         f"{result['date']}, {result['machine']}; bf16 2048² matmul before/after: "
         f"{' / '.join(f'{p:.0f}' for p in result['bf16_gflop_s_before_after'])} GFLOP/s. GSM8K test questions, "
         f"{result['new_tokens']} new tokens each (greedy, `ignore_eos`), concurrent `AsyncOpenAI` clients over HTTP; "
-        f"{result['rounds']} rounds, a fresh server per arm and round, arms alternated; medians, and the ratio's value in "
+        f"{result['rounds']} rounds, a fresh server per arm and round, arms alternated; "
+        "medians, and the ratio's value in "
         "each round. Written by `bench/route_ab.py`.",
         "",
         "| clients | requests | "

@@ -229,7 +229,10 @@ async def main(args: argparse.Namespace) -> dict:
         "step_costs": costs,
         "peak_rss_mb": peak_rss_mib(),
         "torch_threads": torch.get_num_threads(),
-        "machine": f"{platform.machine()}, {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} torch threads, CPU",
+        "machine": (
+            f"{platform.machine()}, {torch.backends.cpu.get_cpu_capability()}, "
+            f"{torch.get_num_threads()} torch threads, CPU"
+        ),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "load_average": os.getloadavg(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
@@ -250,8 +253,10 @@ def markdown(result: dict) -> str:
         f"Probes (best of 5, before and after): memory {result['memory_gb_s']:.1f} GB/s "
         f"({', '.join(f'{x:.1f}' for x in result['probes']['gb_s'])}), {result['compute_dtype']} matmul "
         f"{result['matmul_gflop_s']:.1f} GFLOP/s ({', '.join(f'{x:.1f}' for x in result['probes']['gflop_s'])}). "
-        f"A decode step reads {costs['weight_bytes'] / 1e6:.0f} MB of weights plus {costs['kv_bytes_per_token'] / 1e3:.1f} kB "
-        f"of KV cache per row and cached position, and computes {2 * costs['matmul_params'] / 1e9:.3f} GFLOP per row in "
+        f"A decode step reads {costs['weight_bytes'] / 1e6:.0f} MB of weights "
+        f"plus {costs['kv_bytes_per_token'] / 1e3:.1f} kB "
+        "of KV cache per row and cached position, "
+        f"and computes {2 * costs['matmul_params'] / 1e9:.3f} GFLOP per row in "
         "matmuls plus attention.",
         "",
         "| clients | "

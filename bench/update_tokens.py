@@ -5,14 +5,15 @@ compute dtype ``auto``, ``loss_type`` dapo, lr 0 so the LoRA stays as loaded): B
 questions x G 8 samples, prompts of 150-250 tokens (the first train questions whose rendered
 prompt is that long; the default cot prompt averages ~113), and two completion-length mixes:
 ``long`` (mean ~230 of at most 256 tokens, most cut at 256: early in a run) and ``short`` (mean
-~75, spread from 12 to 163: late in a run); gamma-distributed lengths, fixed seed. Completion token ids are random: the cost
-does not depend on them.
+~75, spread from 12 to 163: late in a run); gamma-distributed lengths, fixed seed. Completion token
+ids are random: the cost does not depend on them.
 
 Planners, run on the same samples:
   - ``old``: the planner before token budgets (``old_plan``, copied here): each group in one
     micro-batch of ``micro_batch_size`` 8, every completion padded to the group's longest;
-  - ``new``: ``agl.train.micro_batches.plan_micro_batches`` with the defaults (conf/algo/grpo.yaml): sorted by
-    length and cut where padding costs more than a pass, at most ``micro_batch_tokens`` per pass.
+  - ``new``: ``agl.train.micro_batches.plan_micro_batches`` with the defaults (conf/algo/grpo.yaml):
+    sorted by length and cut where padding costs more than a pass, at most ``micro_batch_tokens``
+    per pass.
 
 Per step: wall time, tokens run (real and padded), the loss (old and new must agree), and the
 step's RSS peak above the RSS before it (a sampling thread, every 5 ms; glibc's mmap threshold is
@@ -20,7 +21,8 @@ pinned as harness.py does, so freed activations leave the RSS). All four (planne
 run in each round, in an order that alternates; reported are medians over rounds of per-round
 ratios, as this shared CPU's speed moves from minute to minute.
 
-    PYTHONPATH=. .venv/bin/python bench/update_tokens.py [--rounds 5]   # writes bench/results/update_tokens.{md,json}
+    # writes bench/results/update_tokens.{md,json}
+    PYTHONPATH=. .venv/bin/python bench/update_tokens.py [--rounds 5]
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ MIXES = {"long": 230, "short": 75}  # target mean completion length
 
 
 def old_plan(samples: Sequence, size: int, tokens: int | None = None) -> list[list[int]]:
-    """agl.train.micro_batches.plan_micro_batches before token budgets (commit a1b3332): groups whole, in chunks of ``size``."""
+    """agl.train.micro_batches.plan_micro_batches before token budgets (commit a1b3332): groups whole, in chunks of
+    ``size``."""
     by_prompt: dict[tuple[int, ...], list[int]] = defaultdict(list)
     for i, sample in enumerate(samples):
         by_prompt[tuple(sample.prompt_ids)].append(i)
@@ -236,16 +239,20 @@ def render(r: dict) -> str:
     lines = [
         "# GRPO update time against the tokens it trains on: planner before token budgets (old) vs. now (new)",
         "",
-        f"{r['date']}. SmolLM2-135M-Instruct NF4 + LoRA r16, compute dtype auto, CPU ({r['threads']} threads, shared with other jobs), "
+        f"{r['date']}. SmolLM2-135M-Instruct NF4 + LoRA r16, compute dtype auto, "
+        f"CPU ({r['threads']} threads, shared with other jobs), "
         f"one GRPO step (dapo) of {B} GSM8K prompts ({', '.join(map(str, r['prompt_tokens']))} tokens) x {G} samples. "
         f"Completions: long mean {c['long']['mean']:.0f} tokens ({c['long']['cut_at_max']} of 32 cut at {MAX_TOKENS}), "
-        f"short mean {c['short']['mean']:.0f} ({c['short']['cut_at_max']} cut). Medians of {r['rounds']} alternated rounds. "
+        f"short mean {c['short']['mean']:.0f} ({c['short']['cut_at_max']} cut). "
+        f"Medians of {r['rounds']} alternated rounds. "
         "Written by `bench/update_tokens.py`.",
         "",
-        "| completions | planner | micro-batches | tokens run: real / padded | step s (forward / backward) | RSS peak above start, MiB |",
+        "| completions | planner | micro-batches | tokens run: real / padded | step s (forward / backward) "
+        "| RSS peak above start, MiB |",
         "|---|---|---:|---:|---:|---:|",
         *(
-            f"| {k.split()[1]} | {k.split()[0]} | {v['micro_batches']:.0f} | {v['real_tokens']:.0f} / {v['padded_tokens']:.0f} | "
+            f"| {k.split()[1]} | {k.split()[0]} | {v['micro_batches']:.0f} | "
+            f"{v['real_tokens']:.0f} / {v['padded_tokens']:.0f} | "
             f"{v['step_s']:.1f} ({v['forward_s']:.1f} / {v['backward_s']:.1f}) | {v['rss_peak_mib']:.0f} |"
             for k, v in s.items()
         ),
@@ -258,7 +265,8 @@ def render(r: dict) -> str:
         ),
         f"| real tokens, short / long | {tokens['new']:.2f} | |",
         "",
-        f"Loss, new vs. old planner: |difference| {r['loss_diff']['long']:.1e} (long), {r['loss_diff']['short']:.1e} (short).",
+        "Loss, new vs. old planner: "
+        f"|difference| {r['loss_diff']['long']:.1e} (long), {r['loss_diff']['short']:.1e} (short).",
     ]
     return "\n".join(lines) + "\n"
 

@@ -47,7 +47,8 @@ def busy_sessions(run_dir: Path) -> dict[int, int]:
             run_dir,
             (
                 "SELECT s.pid, count(a.attempt_id) FROM sessions s LEFT JOIN attempts a "
-                "ON a.session_id = s.session_id AND a.status IN ('preparing', 'running') WHERE s.closed_time IS NULL GROUP BY s.pid"
+                "ON a.session_id = s.session_id AND a.status IN ('preparing', 'running') "
+                "WHERE s.closed_time IS NULL GROUP BY s.pid"
             ),
         )
     )
@@ -111,7 +112,8 @@ def test_runner_processes_run_the_same_job_and_stopping_any_process_costs_nothin
     ended = query(
         run_dir,
         (
-            "SELECT s.pid, json_extract(a.metadata, '$.harness_ended') FROM attempts a JOIN sessions s USING (session_id) "
+            "SELECT s.pid, json_extract(a.metadata, '$.harness_ended') "
+            "FROM attempts a JOIN sessions s USING (session_id) "
             "WHERE a.status != 'succeeded' GROUP BY 1, 2"
         ),
     )

@@ -60,9 +60,8 @@ def test_an_eval_whose_every_rollout_fails_fails_with_the_error_in_full(tmp_path
     assert result.returncode != 0, result.stdout
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "failed"
-    assert (
-        status["error"]
-        == f"RolloutsFailed: 4 of 4 rollouts of eval test failed; the most common error (4 of 4): ConnectionError: {ERROR}"
+    assert status["error"] == (
+        f"RolloutsFailed: 4 of 4 rollouts of eval test failed; the most common error (4 of 4): ConnectionError: {ERROR}"
     )
     assert ERROR in result.stderr
     assert not (run_dir / "eval.md").exists()  # no table of zeros that looks like a score
@@ -91,6 +90,9 @@ async def test_a_training_step_whose_every_rollout_fails_fails_the_job(tmp_path)
     )
     with pytest.raises(
         RolloutsFailed,
-        match="4 of 4 rollouts of training step 0 failed; the most common error \\(4 of 4\\): RuntimeError: training rollouts always fail",
+        match=(
+            "4 of 4 rollouts of training step 0 failed; "
+            "the most common error \\(4 of 4\\): RuntimeError: training rollouts always fail"
+        ),
     ):
         await train(to_typed(cfg), tmp_path)

@@ -148,7 +148,8 @@ def planner_samples(groups: list[tuple[int, list[int]]]) -> list[Sample]:
 
 
 def padded_tokens(samples: list[Sample], chunk: list[int]) -> int:
-    """What a micro-batch's cap counts: a group's prompt + rows x longest completion, or rows x (longest prompt + completion)."""
+    """What a micro-batch's cap counts: a group's prompt + rows x longest completion, or rows x (longest prompt +
+    completion)."""
     rows = [samples[i] for i in chunk]
     if len(rows) > 1 and all(s.prompt_ids == rows[0].prompt_ids for s in rows):
         return len(rows[0].prompt_ids) + len(rows) * max(len(s.completion_ids) for s in rows)
@@ -218,7 +219,8 @@ def lora_grads_after_step(policy, samples, advs, **config) -> tuple[dict, dict]:
 
 
 def two_groups_and_a_single(seed: int) -> tuple[list, list[float]]:
-    """Two groups of random prompts and completions (5 and 4 samples, lengths 1-17) and a lone sample, with advantages."""
+    """Two groups of random prompts and completions (5 and 4 samples, lengths 1-17) and a lone sample, with
+    advantages."""
     torch.manual_seed(seed)
     samples = []
     for g, lengths in enumerate([(2, 17, 3, 15, 9), (12, 1, 11, 4)]):

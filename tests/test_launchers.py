@@ -237,7 +237,8 @@ def test_the_jobs_of_a_sweep_are_counted_from_its_multirun_yaml(tmp_path):
 
 
 def test_slurm_launcher_config_composes_and_cpus_per_task_bounds_the_threads(tmp_path):
-    """What can be checked of SLURM here: the README's overrides compose, and a job takes the cores of its allocation."""
+    """What can be checked of SLURM here: the README's overrides compose, and a job takes the cores of its
+    allocation."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the launchers extra")
     overrides = [
         "hydra/launcher=submitit_slurm",

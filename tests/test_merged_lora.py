@@ -1,4 +1,5 @@
-"""LoRA layers run merged in the update (agl/train/merged_lora.py): peft's values and gradients, the sampler's weights."""
+"""LoRA layers run merged in the update (agl/train/merged_lora.py): peft's values and gradients, the sampler's
+weights."""
 
 import dataclasses
 

@@ -1,4 +1,4 @@
-"""The policy model (agl/policy/model.py): conversion cache, the 4-bit + LoRA model, loading variants.
+"""The policy (agl/policy/weights.py, load.py, lora.py): conversion cache, the 4-bit + LoRA model, loading variants.
 
 Three parts:
   1. the conversion cache: reuse, rebuild after damage, atomicity when a build is interrupted
@@ -27,7 +27,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-import agl.policy.model as agl_model
+import agl.policy.weights as agl_weights
 from agl.errors import ConfigError
 from agl.policy.load import load_policy
 from agl.policy.lora import find_adapter_dir
@@ -122,6 +122,22 @@ def test_cache_is_built_once_then_reused(tmp_path, tiny_dir):
     assert writer.calls == 1  # not rebuilt
     assert (identity(target), identity(weights)) == before
     assert_same_state(load_state(target), load_state(tiny_dir))
+
+
+def test_building_the_cache_leaves_the_random_state_as_it_was(tmp_path):
+    """A run that builds a cache entry (its writer seeds torch and draws random weights) must
+    compute what a run that finds it computes: the LoRA's initial weights come next from that state."""
+
+    def seeding_writer(tmp: Path) -> None:
+        torch.manual_seed(0)
+        (tmp / "w.bin").write_bytes(torch.rand(8).numpy().tobytes())
+
+    torch.manual_seed(3)
+    cached_model_dir(tmp_path, "m", seeding_writer)  # built
+    built = torch.rand(4)
+    torch.manual_seed(3)
+    cached_model_dir(tmp_path, "m", seeding_writer)  # found
+    assert torch.equal(torch.rand(4), built)
 
 
 def truncate(d: Path) -> None:
@@ -241,7 +257,7 @@ def test_builder_losing_the_rename_race_accepts_the_winners_cache(tmp_path, tiny
 KILLED_BUILD = r"""
 import os, shutil, sys, time
 from pathlib import Path
-import agl.policy.model as m
+import agl.policy.weights as m
 
 cache, source, phase, ready = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
 
@@ -365,7 +381,7 @@ def test_real_conversion_is_reused(converted, monkeypatch):
     def no_rebuild(*args, **kwargs):
         raise AssertionError("the complete cache was rebuilt")
 
-    monkeypatch.setattr(agl_model, "write_cache_atomically", no_rebuild)
+    monkeypatch.setattr(agl_weights, "write_cache_atomically", no_rebuild)
     assert convert_embedded(converted.parent) == converted
     assert (identity(converted), identity(weights)) == before
 

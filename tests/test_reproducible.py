@@ -105,7 +105,10 @@ def test_one_seed_gives_one_run(reference, tmp_path):
     assert adapter(again) == adapter(reference)
     assert metrics(again) == metrics(reference)
     # the store too: the same rollouts, ids, tokens and log-probs (stored in arrival order, so sorted)
-    sql = "SELECT rollout_id, attempt_id, sequence_id, name, prompt_token_ids, response_token_ids, response_logprobs FROM spans ORDER BY rollout_id, sequence_id"
+    sql = (
+        "SELECT rollout_id, attempt_id, sequence_id, name, prompt_token_ids, response_token_ids, response_logprobs "
+        "FROM spans ORDER BY rollout_id, sequence_id"
+    )
     assert query(again, sql) == query(reference, sql)
 
 

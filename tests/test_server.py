@@ -407,13 +407,16 @@ def test_stop_strings_cut_text_and_cancel(served):
 
 
 HERMES_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
+    "{%- if tools %}<|im_start|>system\n# Tools\n"
+    "<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n"
     'Call a tool with <tool_call>\n{"name": <name>, "arguments": <args>}\n</tool_call><|im_end|>\n{% endif %}'
     "{%- for message in messages %}"
     "{%- if message.role == 'assistant' %}<|im_start|>assistant\n{{ message.content }}"
     "{%- for call in message.tool_calls or [] %}<tool_call>\n"
-    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n'
-    "{%- elif message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
+    '{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}\n'
+    "</tool_call>{% endfor %}<|im_end|>\n"
+    "{%- elif message.role == 'tool' %}<|im_start|>user\n"
+    "<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
     "{%- else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{%- endif %}"
     "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

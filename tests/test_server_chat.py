@@ -218,7 +218,10 @@ def test_streamed_text_equals_final_text_and_excludes_stop_strings(tokenizer, wo
 
 
 def test_parse_tool_calls():
-    text = 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n<tool_call>{"name": "neg", "arguments": "{\\"x\\": 3}"}</tool_call>'
+    text = (
+        'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
+        '<tool_call>{"name": "neg", "arguments": "{\\"x\\": 3}"}</tool_call>'
+    )
     content, calls = parse_tool_calls(text)
     assert content == "Let me add."
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
@@ -353,7 +356,8 @@ def test_builtin_tool_prompt_renders_inside_the_models_own_template(policy, toke
     assert text == (
         "<|im_start|>system\nBe exact.\n\n" + tool_prompt.tools_section([ADD]) + "<|im_end|>\n"
         "<|im_start|>user\n1+2?<|im_end|>\n"
-        '<|im_start|>assistant\nLet me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call><|im_end|>\n'
+        '<|im_start|>assistant\nLet me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n'
+        "</tool_call><|im_end|>\n"
         "<|im_start|>user\n<tool_response>\n3\n</tool_response>\n<tool_response>\n4\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\n"
     )

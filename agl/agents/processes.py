@@ -68,7 +68,8 @@ class RunnerProcesses:
         codes = ", ".join(str(p.returncode) for p in self.procs)
         self.on_all_exited(
             RunnerProcessesExited(
-                f"all {self.n} runner processes (runner.processes) exited while the job ran, with exit codes {codes}: see their output above"
+                f"all {self.n} runner processes (runner.processes) exited while the job ran, with exit codes {codes}: "
+                "see their output above"
             )
         )
 

@@ -101,7 +101,8 @@ def load_task(task: Any) -> Task:
     for key in ("agent", "data"):
         if _missing(task, key):
             raise ConfigError(
-                f"task.{key} is required for task '{task.name}': e.g. task.agent=my_module:my_agent task.data=my_data.jsonl"
+                f"task.{key} is required for task '{task.name}': "
+                "e.g. task.agent=my_module:my_agent task.data=my_data.jsonl"
             )
     data = _plain(task.data)
     if isinstance(data, dict) or str(data).endswith(".jsonl"):

@@ -197,7 +197,8 @@ class SFTConfig:
     micro_batch_tokens: Optional[int] = (
         None  # tokens per pass at most, padding included (None: only micro_batch_size bounds them)
     )
-    gradient_checkpointing: bool = True  # replay each decoder layer in backward instead of keeping its activations (agl/train/activation_checkpointing.py)
+    # replay each decoder layer in backward instead of keeping its activations (agl/train/activation_checkpointing.py)
+    gradient_checkpointing: bool = True
     lr: float = 2e-4  # GSM8K: 40 steps at 2e-4 take format 0 -> 0.79 (RESULTS.md)
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -233,7 +234,8 @@ class GRPOConfig:
     micro_batch_tokens: Optional[int] = (
         2048  # tokens per pass at most, padding included (plan_micro_batches); None: no cap
     )
-    gradient_checkpointing: bool = True  # replay each decoder layer in backward instead of keeping its activations (agl/train/activation_checkpointing.py)
+    # replay each decoder layer in backward instead of keeping its activations (agl/train/activation_checkpointing.py)
+    gradient_checkpointing: bool = True
     max_grad_norm: float = 1.0
     mask_truncated: bool = False  # true: completions cut by max_tokens carry no loss
     drop_zero_std: bool = True  # skip groups whose rewards are all equal: they teach nothing
@@ -319,7 +321,8 @@ class ExportConfig:
 
 @dataclasses.dataclass
 class RunnerJobConfig:
-    """``algo=runner attach=<run dir>`` (agl/agents/attach.py): join a running job; ``runner.*`` sets how many rollouts at once."""
+    """``algo=runner attach=<run dir>`` (agl/agents/attach.py): join a running job; ``runner.*`` sets how many
+    rollouts at once."""
 
     name: str = "runner"
 
@@ -392,7 +395,8 @@ def typed(schema: type, cfg: Any) -> Any:
         return OmegaConf.merge(OmegaConf.structured(schema), cfg)
     except OmegaConfBaseException as error:
         raise ConfigError(
-            f"{error.full_key or schema.__name__}: {str(getattr(error, 'msg', error)).splitlines()[0]} ({schema.__name__})"
+            f"{error.full_key or schema.__name__}: "
+            f"{str(getattr(error, 'msg', error)).splitlines()[0]} ({schema.__name__})"
         ) from None
 
 

@@ -41,7 +41,10 @@ class Failures:
         >>> Failures(8, 3, "ValueError: bad", 2).describe("eval test")
         '3 of 8 rollouts of eval test failed; the most common error (2 of 3): ValueError: bad'
         """
-        return f"{self.failed} of {self.total} rollouts of {what} failed; the most common error ({self.error_count} of {self.failed}): {self.error}"
+        return (
+            f"{self.failed} of {self.total} rollouts of {what} failed; "
+            f"the most common error ({self.error_count} of {self.failed}): {self.error}"
+        )
 
 
 def most_common(errors: Sequence[str]) -> tuple[str | None, int]:

@@ -18,16 +18,10 @@ or a local HF dir, its weights as stored. peft merges the LoRA into them in floa
 The consequence for logits: the training policy computes ``nf4(W) x + B A x``, the export
 ``W x + B A x``. They differ by the base's NF4 rounding error, which the export does not have
 and the LoRA never saw, plus the rounding of ``algo.dtype``. The export is the LoRA on the better
-base, not the policy you evaluated. Measured (largest logit difference over 3 chat prompts):
-  - tiny test model, random adapter (tests/test_serve_export.py): against the same adapter on an
-    unquantized policy (``model.quantization=none``) <1e-6 in float32 (tolerance 1e-4), ~0.008
-    in bfloat16 (tolerance 0.05); against the NF4 policy 0.12 on logits up to ~2 (tolerance 0.25);
-    the GGUF read back by transformers equals the HF dir (0; tolerance 1e-5).
-  - SmolLM2-135M, random adapter, float32: 1e-4 against the unquantized policy (logits up to 42);
-    against the NF4 policy up to 26, mean 2-4, the same top token at only ~60% of positions (KL
-    0.4-1.2 nats): the same distance as the NF4 base from the full-precision base without any
-    adapter. ``algo=eval model.quantization=none model.adapter=<run dir>`` scores what the export
-    computes; the policy's own eval scores need not carry over.
+base, not the policy you evaluated. Measured (how far the export's logits are from the
+policy's, quantized and not): BENCHMARKS.md "The export's logits against the policy's".
+``algo=eval model.quantization=none model.adapter=<run dir>`` scores what the export computes;
+the policy's own eval scores need not carry over.
 
 Left out: merging into the dequantized NF4 weights instead (logits exactly the policy's, with
 the 4-bit rounding baked into a full-precision file), and exporting without an adapter (the base

@@ -127,7 +127,8 @@ def prompt_search_markdown(result: dict, prompts: dict[str, str]) -> str:
     )
     best = result["best"]
     return (
-        f"# prompt search: {result['task']} / {result['split']} ({result['tasks']} tasks, temperature {result['sampling']['temperature']})\n\n"
+        f"# prompt search: {result['task']} / {result['split']} "
+        f"({result['tasks']} tasks, temperature {result['sampling']['temperature']})\n\n"
         f"{table}\n\nbest: `{best}` -> use it with task.prompt={best}\n\n```\n{prompts[best]}\n```"
     )
 

@@ -18,6 +18,7 @@ async def train_sft(config: Config, run_dir: Path) -> dict:
 def run(config: Config, run_dir: Path) -> dict:
     result = asyncio.run(train_sft(config, run_dir))
     print(
-        f"run dir: {run_dir}\nadapter: {result['adapter']}\nnext:    python harness.py algo=grpo model.adapter={run_dir} ..."
+        f"run dir: {run_dir}\nadapter: {result['adapter']}\n"
+        f"next:    python harness.py algo=grpo model.adapter={run_dir} ..."
     )
     return result

@@ -14,11 +14,10 @@ for this one shape:
     packed as that group's "query length" (no ``repeat_kv`` copy of the cache);
   - every product is computed as ``W @ x.T`` (see ``_linear``).
 
-The numbers (bench/serve.py, a 2-core AVX2 CPU, float32) are in BENCHMARKS.md: 1.29x the route's
-tokens/s at 32 clients, 1.53x at 64. The logits equal the model's forward to float32 rounding
-(bit for bit at batch 32 there; tests/test_decode.py checks 1e-5); the KV cache is the
-engine's, appended through ``cache.update`` as the model's forward does, so prefill (still the
-model's forward), merging and retiring rows are unchanged.
+Measured: BENCHMARKS.md "The decode step written out". The logits equal the model's forward to
+float32 rounding (tests/test_decode.py checks 1e-5); the KV cache is the engine's, appended
+through ``cache.update`` as the model's forward does, so prefill (still the model's forward),
+merging and retiring rows are unchanged.
 
 Forward hooks are honoured on the embeddings, the final norm and the output layer (called as
 modules), not inside the decoder layers. Other architectures, a LoRA module left in place of a

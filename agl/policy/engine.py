@@ -527,10 +527,10 @@ def draw(probs_SV: torch.Tensor, uniforms_S: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF sampling: one uniform per row picks the token whose CDF interval holds it.
 
     One random number per row instead of one per vocabulary entry: with a 49k vocabulary,
-    ``torch.multinomial`` (or an exponential race) spent ~24 ms per batch-32 step drawing
-    random numbers, a quarter of a decode step. The CDF is accumulated in float64 so every
-    token's interval has its probability's width to ~1e-16; ``right=True`` never lands on a
-    zero-probability token.
+    ``torch.multinomial`` (or an exponential race) spent a good part of a decode step drawing
+    random numbers (measured: BENCHMARKS.md "Drawing the sampled token"). The CDF is accumulated
+    in float64 so every token's interval has its probability's width to ~1e-16; ``right=True``
+    never lands on a zero-probability token.
 
     >>> draw(torch.tensor([[0.2, 0.0, 0.8]]), torch.tensor([0.5])).tolist()
     [2]

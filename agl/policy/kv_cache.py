@@ -2,9 +2,10 @@
 retiring a row and admitting one copy only what changes.
 
 transformers' ``DynamicLayer`` grows by ``torch.cat`` on every token, so decoding T tokens
-copies O(T^2) cache bytes (~35 ms per batch-32 decode step here). A ``SlotLayer`` keeps each
-layer's keys and values in two buffers ``[row slots, kv_heads, columns, head_dim]`` and exposes
-the live part, rows ``[:rows]`` and columns ``[start:end]``, as views:
+copies O(T^2) cache bytes (its time per decode step: BENCHMARKS.md "The KV cache's slots and
+headroom"). A ``SlotLayer`` keeps each layer's keys and values in two buffers ``[row slots,
+kv_heads, columns, head_dim]`` and exposes the live part, rows ``[:rows]`` and columns
+``[start:end]``, as views:
 
   - appending writes one column (``update``);
   - retiring rows moves the last live rows into the freed slots, one row each, and drops
@@ -14,12 +15,10 @@ the live part, rows ``[:rows]`` and columns ``[start:end]``, as views:
 Only when the buffer runs out of rows or columns is the live part copied into a new one, layer
 by layer (so the transient is one layer's): exactly the row slots needed, and the columns needed
 plus ``slack``. Appending then compacts the live part to column 0 every ``slack`` tokens, a copy
-of the cache per 64 decode steps. Headroom is what costs memory, not copies: with twice the row
-slots and 1.5x the columns, a 32-client GSM8K eval held 0.7-1.5 GB of buffers (SmolLM2-135M, a
-float32 cache: 46 KB per position) where it now holds 0.4-0.65 GB; bench/engine_ab.py against
-cb44786: peak RSS 2,393 -> 2,100 MiB at 0.98x the tokens/s, the same tokens. Before slots, every
-retired or admitted row cost two or three copies of the whole cache: a third of the engine's
-time in a GSM8K eval.
+of the cache per 64 decode steps. Headroom is what costs memory, not copies (measured against
+twice the row slots and 1.5x the columns: the same section). Before slots, every retired or
+admitted row cost two or three copies of the whole cache (their share of the engine's time in a
+GSM8K eval: the same section).
 
 Positions outside a row's real tokens hold zeros or an earlier row's keys and values; the
 engine's attention mask hides them. Buffers start zeroed so that no hidden position is NaN (a
@@ -123,7 +122,8 @@ class SlotLayer(DynamicLayer):
         self.rows, self.start, self.end = rows, 0, columns
 
     def _rebuffer(self, slots: int, capacity: int, offset: int) -> None:
-        """Copy the live part into new buffers of ``slots`` rows and ``capacity`` columns, its first column at ``offset``."""
+        """Copy the live part into new buffers of ``slots`` rows and ``capacity`` columns, its first column at
+        ``offset``."""
         width = self.end - self.start
         fresh = []
         for buffer in self.buffers:

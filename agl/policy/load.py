@@ -138,7 +138,8 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto``: bf16 where the hardware computes it natively (CUDA with bf16, or a CPU with
-    AVX512-BF16/AMX, where a bf16 forward+backward measured ~2x faster than fp32), else fp32."""
+    AVX512-BF16/AMX, where a bf16 forward+backward is faster than fp32; measured: BENCHMARKS.md
+    "The compute dtype"), else fp32."""
     if name != "auto":
         if name not in DTYPES:
             raise ConfigError(f"model.compute_dtype '{name}' is not valid; choose one of: auto, {', '.join(DTYPES)}")
@@ -247,8 +248,8 @@ def own_checkpoint_tensors(model: torch.nn.Module) -> None:
     ``from_pretrained`` maps safetensors files, and a weight it keeps in the file's dtype (the fp32
     embeddings and norms next to 4-bit layers) stays a view of the mapping, so the whole file's
     touched pages stay resident for the model's life. Safetensors hands such views out with
-    non-resizable storages; torch's own allocations are resizable. Measured on SmolLM2-135M
-    (4-bit): 62 tensors, RSS 1,252 -> 898 MiB after loading, file-backed 506 -> 101 MiB.
+    non-resizable storages; torch's own allocations are resizable. Measured: BENCHMARKS.md "The
+    checkpoint's tensors copied out of its mapping".
     """
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}  # a tied weight once
     for tensor in tensors.values():

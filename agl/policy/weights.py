@@ -111,10 +111,15 @@ def write_cache_atomically(target: Path, write: Any) -> Path:
 
 
 def cached_model_dir(cache_dir: Path, key: str, write: Any) -> Path:
-    """Return ``cache_dir/key``, (re)building it with ``write`` unless it is complete."""
+    """Return ``cache_dir/key``, (re)building it with ``write`` unless it is complete.
+
+    Building leaves torch's random state as it was (``write`` seeds it, and initialises weights from
+    it): a run that builds the cache computes what a run that finds it computes, seed for seed.
+    """
     target = cache_dir / key
     if not cache_is_complete(target):
-        write_cache_atomically(target, write)
+        with torch.random.fork_rng(devices=[]):
+            write_cache_atomically(target, write)
     return target
 
 

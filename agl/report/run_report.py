@@ -91,7 +91,8 @@ def _read_store(path: Path) -> dict:
                 "rollouts_by_mode": q("SELECT coalesce(mode, '-'), count(*) FROM rollouts GROUP BY mode ORDER BY mode"),
                 # all attempts; retries = charged attempts beyond each rollout's first; harness-ended ones
                 "attempts": q(
-                    "SELECT count(*), coalesce(sum(charged), 0) - count(DISTINCT CASE WHEN charged THEN rollout_id END), "
+                    "SELECT count(*), "
+                    "coalesce(sum(charged), 0) - count(DISTINCT CASE WHEN charged THEN rollout_id END), "
                     "coalesce(sum(NOT charged), 0) FROM (SELECT rollout_id, "
                     "json_extract(metadata, '$.harness_ended') IS NULL AS charged FROM attempts)"
                 )[0],
@@ -102,29 +103,35 @@ def _read_store(path: Path) -> dict:
                 ),
                 "slowest": q(
                     "SELECT d.rollout_id, r.mode, CASE WHEN r.step IS NOT NULL THEN 'step ' || r.step "
-                    "WHEN json_extract(r.metadata, '$.eval_step') IS NOT NULL THEN 'eval@' || json_extract(r.metadata, '$.eval_step') "
-                    "WHEN json_extract(r.metadata, '$.candidate') IS NOT NULL THEN 'prompt ' || json_extract(r.metadata, '$.candidate') "
+                    "WHEN json_extract(r.metadata, '$.eval_step') IS NOT NULL "
+                    "THEN 'eval@' || json_extract(r.metadata, '$.eval_step') "
+                    "WHEN json_extract(r.metadata, '$.candidate') IS NOT NULL "
+                    "THEN 'prompt ' || json_extract(r.metadata, '$.candidate') "
                     "ELSE '' END, d.sequence_id, d.status, d.duration, d.spans, rr.reward "
                     "FROM attempt_durations d JOIN rollouts r ON r.rollout_id = d.rollout_id "
                     "LEFT JOIN rollout_rewards rr ON rr.rollout_id = d.rollout_id "
                     f"WHERE d.duration IS NOT NULL ORDER BY d.duration DESC LIMIT {SLOWEST}"
                 ),
                 "failures": q(
-                    "SELECT status, coalesce(json_extract(metadata, '$.error'), '(no error recorded)') AS error, count(*) "
+                    "SELECT status, coalesce(json_extract(metadata, '$.error'), '(no error recorded)') AS error, "
+                    "count(*) "
                     "FROM attempts WHERE status NOT IN ('succeeded', 'preparing', 'running') "
                     "AND json_extract(metadata, '$.harness_ended') IS NULL "
                     "GROUP BY status, error ORDER BY count(*) DESC"
                 ),
                 "harness_ends": q(
                     "SELECT status, json_extract(metadata, '$.harness_ended') AS how, count(*) FROM attempts "
-                    "WHERE json_extract(metadata, '$.harness_ended') IS NOT NULL GROUP BY status, how ORDER BY count(*) DESC, how"
+                    "WHERE json_extract(metadata, '$.harness_ended') IS NOT NULL "
+                    "GROUP BY status, how ORDER BY count(*) DESC, how"
                 ),
                 "eval_replies": q(
-                    "SELECT json_extract(r.metadata, '$.eval_step') AS at, json_extract(r.metadata, '$.task_id'), r.input, "
+                    "SELECT json_extract(r.metadata, '$.eval_step') AS at, json_extract(r.metadata, '$.task_id'), "
+                    "r.input, "
                     "json_extract(s.attributes, '$.response_text'), rr.reward FROM rollouts r "
                     "JOIN latest_attempts la ON la.rollout_id = r.rollout_id "
                     "JOIN spans s ON s.attempt_id = la.attempt_id AND s.name LIKE 'llm.%' "
-                    "AND coalesce(json_extract(s.attributes, '$.trainable'), 1) != 0 "  # the policy's replies, not a frozen helper's"
+                    # the policy's replies, not a frozen helper's"
+                    "AND coalesce(json_extract(s.attributes, '$.trainable'), 1) != 0 "
                     "LEFT JOIN rollout_rewards rr ON rr.rollout_id = r.rollout_id "
                     "WHERE at IS NOT NULL ORDER BY r.seq, s.sequence_id"
                 ),

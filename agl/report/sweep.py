@@ -4,9 +4,9 @@
 combination (Hydra multirun) under ``outputs/multirun/<task>_<algo>_<hash>/<job overrides>/``:
 
 * the sweep dir is keyed by a hash of the sorted command-line overrides (``sweep_id``), and
-  each job dir by its own overrides (``job_dir_name``: ``algo.lr-1e-05+task.prompt-cot``), so the same command finds the same
-  dirs again: finished jobs are skipped, unfinished or failed ones resume from their stores
-  (``agl.jobs.dispatch.run_job`` reads ``status.json``);
+  each job dir by its own overrides (``job_dir_name``: ``algo.lr-1e-05+task.prompt-cot``), so the
+  same command finds the same dirs again: finished jobs are skipped, unfinished or failed ones
+  resume from their stores (``agl.jobs.dispatch.run_job`` reads ``status.json``);
 * ``status.json`` in each job dir says ``running`` / ``succeeded`` / ``failed`` (with the
   error; the traceback is in ``error.log``); a failed job does not stop the sweep;
 * at the end, ``SweepSummary`` (a Hydra callback, ``hydra.callbacks`` in conf/config.yaml)

@@ -233,7 +233,8 @@ class StoredResponse:
     """A Responses API response kept for ``previous_response_id`` and ``GET /v1/responses/{id}``."""
 
     scope: tuple[str, str] | None  # the route it was made on
-    items: list  # the conversation's input items up to this response (agl.route.responses_api.Item; instructions not included)
+    # the conversation's input items up to this response (agl.route.responses_api.Item; instructions not included)
+    items: list
     output: list  # its output, as items a follow-up continues from
     body: dict  # the response object as returned
 

@@ -147,11 +147,13 @@ def text_parts_only(content: Any, text_kinds: tuple[str, ...] = ("text",)) -> An
                 )
             if kind in OTHER_MEDIA_PARTS:
                 raise ValueError(
-                    f"{OTHER_MEDIA_PARTS[kind]} are not supported: this model reads text only (content part of type '{kind}')."
+                    f"{OTHER_MEDIA_PARTS[kind]} are not supported: "
+                    f"this model reads text only (content part of type '{kind}')."
                 )
             if kind not in text_kinds:
                 raise ValueError(
-                    f"Content parts of type '{kind}' are not supported: this model reads text only ({', '.join(text_kinds)})."
+                    f"Content parts of type '{kind}' are not supported: "
+                    f"this model reads text only ({', '.join(text_kinds)})."
                 )
     return content
 
@@ -307,7 +309,8 @@ class _SamplingRequest(_Lenient):
         if limit is None:
             if context_length - prompt_tokens < 1:
                 raise bad_request(
-                    f"The prompt has {prompt_tokens} tokens, which leaves no room in the model's context length of {context_length} tokens.",
+                    f"The prompt has {prompt_tokens} tokens, "
+                    f"which leaves no room in the model's context length of {context_length} tokens.",
                     param=self.prompt_param,
                     code="context_length_exceeded",
                 )

@@ -12,9 +12,9 @@ plain ``model_dump()``, no exclude flags.
   - the Responses API: the ``Response`` object, its output items, and ``OutputBuilder``, which
     turns one reply's parsed deltas into those items and the stream events that build them.
 
-Cost: a streamed chat chunk, built and serialized, takes 23 us as models against 7 us as the
-hand-built dict it replaced (pydantic 2.14, this 2-core CPU). At the route's best measured rate,
-315 tokens/s with 32 clients (``bench/results/serve.md``), that is 0.5% of one core.
+Cost: a streamed chat chunk, built and serialized, takes longer as models than as the hand-built
+dict it replaced, a small share of one core at the route's best rate (measured: BENCHMARKS.md
+"The route's response models").
 """
 
 from __future__ import annotations
@@ -326,7 +326,8 @@ class Answer:
     def _chunk(
         self, choice: Choice, tokens: Delta | None, finish_reason: str | None, message: dict | None = None
     ) -> ChatCompletionChunk | CompletionChunk:
-        """``tokens=None``: the opening chunk of a choice. ``message``: the chat delta, if not ``{"content": tokens.text}``."""
+        """``tokens=None``: the opening chunk of a choice. ``message``: the chat delta, if not
+        ``{"content": tokens.text}``."""
         common = self._common(choice, tokens, finish_reason)
         prompt_ids = self.call.prompt_ids if self.with_ids and tokens is None and choice.index == 0 else None
         if not self.chat:

@@ -263,7 +263,8 @@ def parse_items(value: Union[str, list[Any], None]) -> list[Item]:
         if model is None:
             hint = " (pass the item itself, or use 'previous_response_id')" if kind == "item_reference" else ""
             raise bad_request(
-                f"input.{i}.type: input items of type {kind!r} are not supported{hint}; this route takes {SUPPORTED_ITEMS} items.",
+                f"input.{i}.type: input items of type {kind!r} are not supported{hint}; "
+                f"this route takes {SUPPORTED_ITEMS} items.",
                 param=f"input.{i}.type",
                 code="invalid_value",
             )

@@ -55,7 +55,8 @@ class ResponsesEndpoint:
         self.stored = ResponseStore(stored_responses)  # for previous_response_id and GET
 
     async def create(self, request: Request) -> Response:
-        """``POST /v1/responses``: translated to a chat call, answered as a Responses object (``agl.route.responses_api``)."""
+        """``POST /v1/responses``: translated to a chat call, answered as a Responses object
+        (``agl.route.responses_api``)."""
         received_at, received_wall = time.perf_counter(), time.time()
         req = parse_request(ResponsesRequest, await request.body())
         self.server._check_model(req.model)

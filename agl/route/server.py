@@ -8,8 +8,8 @@ but not recorded, unless the server is made with ``record_unscoped=True`` (``alg
 
 This module is the transport: routes, auth, OpenAI-style errors, streaming, disconnects, and
 calling the engine. Requests are parsed by ``agl.route.requests`` and answered with the models of
-``agl.route.response_models``; prompts are rendered by ``agl.route.rendering`` (``agl.route.tool_prompt`` for tools), and
-Responses calls translated to chat calls by ``agl.route.responses_api``.
+``agl.route.response_models``; prompts are rendered by ``agl.route.rendering`` (``agl.route.tool_prompt``
+for tools), and Responses calls translated to chat calls by ``agl.route.responses_api``.
 
 Why in-process: the server runs as a task on the caller's event loop (``uvicorn.Server.serve``),
 next to the engine and the store. No second process, no IPC, and the trainer can pause the

@@ -22,7 +22,8 @@ def scope_key(request: Request) -> tuple[str, str] | None:
 
 
 def sse_line(obj: BaseModel | dict) -> str:
-    return f"data: {json.dumps(obj.model_dump() if isinstance(obj, BaseModel) else obj, ensure_ascii=False, allow_nan=False)}\n\n"
+    payload = obj.model_dump() if isinstance(obj, BaseModel) else obj
+    return f"data: {json.dumps(payload, ensure_ascii=False, allow_nan=False)}\n\n"
 
 
 async def interleaved(

@@ -43,7 +43,8 @@ TOOLS_PROMPT = (
     "You may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n"
     "<tools>\n{tools}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
+    "For each function call, return a json object with function name and arguments within "
+    "<tool_call></tool_call> XML tags:\n"
     "<tool_call>\n"
     '{{"name": <function-name>, "arguments": <args-json-object>}}\n'
     "</tool_call>"
@@ -105,7 +106,8 @@ def builtin_messages(messages: Sequence[dict], tools: Sequence[dict] | None, rep
     ``replies``: the texts the model replied earlier in this attempt (for exact prefixes).
 
     >>> msgs = [{"role": "user", "content": "2+2?"},
-    ...         {"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": {"a": 2}}}]},
+    ...         {"role": "assistant", "content": "",
+    ...          "tool_calls": [{"id": "c", "type": "function", "function": {"name": "add", "arguments": {"a": 2}}}]},
     ...         {"role": "tool", "tool_call_id": "c", "content": "4"}]
     >>> [(m["role"], m["content"]) for m in builtin_messages(msgs, None)]  # doctest: +NORMALIZE_WHITESPACE
     [('user', '2+2?'), ('assistant', '<tool_call>\\n{"name": "add", "arguments": {"a": 2}}\\n</tool_call>'),

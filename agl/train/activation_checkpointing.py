@@ -1,12 +1,11 @@
 """Activation checkpointing of the decoder layers for the update (``algo.gradient_checkpointing``).
 
-Without it, a forward pass keeps every decoder layer's intermediate tensors for backward: on
-SmolLM2-135M in fp32 about 1 MB per token over its 30 layers, so a 2,048-token micro-batch holds
-~2 GB. Checkpointed, each layer keeps only its input, and backward runs the layer's forward again
-to get the rest, one layer at a time: the activations of one layer instead of thirty, for one more
-forward pass of the decoder: 1.38x the update time (bench/checkpointing_cost.py, AVX2 CPU, fp32). bench/memory.py
---phases: the GRPO update's peak 4,709 -> 2,514 MiB, SFT's 3,982 -> 2,020. Same loss and gradients: the replay is the
-same computation on the same inputs (tests/test_grpo_update.py checks it).
+Without it, a forward pass keeps every decoder layer's intermediate tensors for backward, for every
+token of the micro-batch. Checkpointed, each layer keeps only its input, and backward runs the layer's
+forward again to get the rest, one layer at a time: the activations of one layer instead of thirty,
+for one more forward pass of the decoder. Measured (the activations' size, the update time, the
+update's and SFT's peaks): BENCHMARKS.md "Activation checkpointing". Same loss and gradients: the
+replay is the same computation on the same inputs (tests/test_grpo_update.py checks it).
 
 Why not transformers' own ``gradient_checkpointing_enable``: it drops the KV cache a layer is given
 (``cache=None``), and the update's shared-prompt layout runs the completions against the prompt's

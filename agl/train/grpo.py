@@ -67,7 +67,8 @@ class GRPOUpdate:
         )
 
     def step(self, samples: Sequence[Sample], advs: Sequence[float]) -> dict[str, float]:
-        # small blocks mapped, heaps trimmed after (agl/memory.py); LoRA layers as one matmul each (agl/train/merged_lora.py)
+        # small blocks mapped, heaps trimmed after (agl/memory.py);
+        # LoRA layers as one matmul each (agl/train/merged_lora.py)
         with update_memory(), merged_lora_layers(self.policy.model, self.policy.train_merged):
             return self._step(samples, advs)
 

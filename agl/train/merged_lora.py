@@ -10,10 +10,7 @@ gradient through the same merged weight, and A and B theirs from two skinny prod
     dB = scale * dy.T @ (x @ A.T)        dA = scale * (dy @ B).T @ x
 
 The gradients are peft's, summed in another order; the activations kept for backward are the
-same size (1,945 against 1,960 MiB for a 1,174-token micro-batch without replay). Performance
-(bench/profile_step.py --parts update --rounds 12; AVX2 CPU, fp32; one GRPO micro-batch of
-8 x 128 tokens on a 150-token prompt, forward + backward; BENCHMARKS.md "LoRA layers merged in
-the update"): 0.94x peft's time, median of 12 paired rounds, every round below 1.
+same size. Measured (memory and time against peft's): BENCHMARKS.md "The update's merged LoRA layers".
 
 ``auto`` turns it on where the policy computes in float32, where the merged weight differs from
 the base weight plus the LoRA product by fp32 rounding only, and it is then the very matrix the
@@ -113,7 +110,7 @@ def _plain_adapter(layer: Any) -> str | None:
 def merged_layers(model: Any) -> list[Any]:
     """The LoRA-wrapped linear layers of ``model`` that can run merged: all but the output layer and
     8-bit layers (bitsandbytes' int8 matmul quantizes the input too: merged, they would compute
-    something else; measured 0.3 % apart in LoRA gradients on the tiny model)."""
+    something else; measured: BENCHMARKS.md "The update's merged LoRA layers")."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model

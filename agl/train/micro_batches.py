@@ -87,17 +87,12 @@ class TokenBatch:
 
 # Per micro-batch, a fixed cost in tokens of work (every layer's 4-bit weights dequantized in each
 # pass, ~3,000 operator dispatches, the loss): cutting a group to save fewer padded tokens than
-# this does not pay. Measured ~60 on SmolLM2-135M: 8 completions of 64 tokens on a 150-token prompt
-# in 1, 2, 4 and 8 passes, median of 5 alternated rounds (noisy: single rounds gave -150 to 600).
+# this does not pay. Measured: BENCHMARKS.md "The update's micro-batch planner".
 PASS_OVERHEAD_TOKENS = 64
 
-# Performance (bench/update_tokens.py -> bench/results/update_tokens.md; SmolLM2-135M NF4 + LoRA,
-# one GRPO step of 4 GSM8K prompts of 153-168 tokens x 8, shared 2-core CPU, one process, medians
-# of per-round ratios over 6 alternated rounds): completions averaging 75 tokens take 0.32x the
-# update time of completions averaging 230 (0.38x the real tokens). The planner before (each group
-# one micro-batch, padded to its longest completion: 5,620 tokens run for 3,044 real) took 0.50x.
-# This planner vs. that one: 0.52x the time on the short step (3,440 tokens run, RSS peak 384 vs
-# 1,728 MiB above the start), 0.86x on the long one (8,185 vs 8,836 tokens; 2,869 vs 3,311 MiB).
+# Update time and memory against the tokens trained on, this planner vs. the one before it (each
+# group one micro-batch, padded to its longest completion). Measured: BENCHMARKS.md "The update's
+# micro-batch planner".
 
 
 def plan_micro_batches(

@@ -94,7 +94,8 @@ def sft_loss_and_backward(
         return {"loss": float("nan"), "train_tokens": 0}
     head = fused_head(policy)
     loss_sum = 0.0
-    # activations of one layer at a time (agl/train/activation_checkpointing.py); LoRA layers as one matmul each (agl/train/merged_lora.py)
+    # activations of one layer at a time (agl/train/activation_checkpointing.py);
+    # LoRA layers as one matmul each (agl/train/merged_lora.py)
     with (
         checkpointed_layers(policy.model, gradient_checkpointing),
         merged_lora_layers(policy.model, policy.train_merged),

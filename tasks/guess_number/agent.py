@@ -14,7 +14,10 @@ import openai
 
 import agl
 
-SYSTEM = "You are playing a guessing game. I am thinking of a whole number from 1 to 100. Reply with a single number as your guess."
+SYSTEM = (
+    "You are playing a guessing game. I am thinking of a whole number from 1 to 100. "
+    "Reply with a single number as your guess."
+)
 
 
 FIRST = "Make your first guess."

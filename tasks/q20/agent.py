@@ -28,7 +28,8 @@ import agl
 from tasks.q20.nouns import NOUNS
 
 SYSTEM = (
-    "Let's play twenty questions. I am thinking of something in the category: {category}. Ask me one yes-or-no question at a time "
+    "Let's play twenty questions. I am thinking of something in the category: {category}. "
+    "Ask me one yes-or-no question at a time "
     'to find out which one. When you want to guess, ask "Is it a ...?" naming one thing.'
 )
 FIRST = "Ask your first question."
