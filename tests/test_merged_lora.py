@@ -10,9 +10,10 @@ from omegaconf import OmegaConf
 from agl.config import GRPOConfig
 from agl.errors import ConfigError
 from agl.policy.load import load_policy
+from agl.policy.lora import resolve_train_merged as resolve
 from agl.policy.sampler_weights import dense_linear
 from agl.train.grpo import GRPOUpdate
-from agl.train.merged_lora import _merged, _plain_adapter, merged_layers, merged_lora_layers, resolve
+from agl.train.merged_lora import _merged, _plain_adapter, merged_layers, merged_lora_layers
 from agl.train.sft import sft_loss_and_backward
 from tests.test_grpo_update import lora_grads, two_groups_and_a_single
 
