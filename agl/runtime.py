@@ -39,6 +39,7 @@ from agl.config import (
 )
 from agl.errors import ConfigError
 from agl.memory import collect
+from agl.policy.device import deterministic_kernels
 from agl.policy.engine import Engine
 from agl.policy.load import Policy, load_policy
 from agl.route.server import ModelServer
@@ -127,6 +128,8 @@ class Runtime:
         if self._policy is None:
             self._policy = await asyncio.to_thread(load_policy, self.model_config, self.device)
         engine_options = engine_kwargs(self.engine_config, self.model_config.compute_dtype)
+        if engine_options["batch_invariant"]:  # an exact run: on CUDA, deterministic kernels too (agl.policy.device)
+            deterministic_kernels(self.policy.device)
         self.engine = Engine(self.policy, **engine_options)
         await self.engine.start()
         frozen_names = list(self.server_config.frozen_models or [])
