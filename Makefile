@@ -94,7 +94,7 @@ wheelhouse:
 gpu-bundle:
 	rm -rf .gpu/wheelhouse
 	$(MAKE) --no-print-directory wheelhouse PY=3.12 PLATFORM=manylinux_2_28_x86_64 DIR=.gpu/wheelhouse \
-	    HAVE=bench/gpu_node_packages.txt EXCLUDE="torch transformers peft ruff import-linter"
+	    HAVE=bench/gpu_node_packages.txt EXCLUDE="torch transformers ruff import-linter"
 	PYTHONPATH=. $(WHEEL_PYTHON) bench/export_tokenizer.py .gpu/tokenizer
 	@du -sh .gpu/wheelhouse .gpu/tokenizer
 

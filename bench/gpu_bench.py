@@ -162,6 +162,7 @@ def part_grpo(args: argparse.Namespace) -> None:
         "workload": {"B": 4, "G": 8, "new_tokens": new_tokens, "timed_steps": args.steps, "warmup_steps": 1},
         "versions": versions(),
         "targets": TARGETS,
+        "compute_dtype": resolved_dtype("auto", args.device),
         "shapes": results,
         "cpu_dry_run": args.cpu_dry_run,
     }
@@ -196,8 +197,9 @@ def grpo_markdown(data: dict) -> str:
         f"# GRPO step on {data['device']}: agl vs TRL GRPOTrainer (PEFT QLoRA)",
         "",
         f"{data['date']}. B={work['B']} x G={work['G']}, <= {work['new_tokens']} new tokens, NF4 + LoRA r16, "
-        f"bf16 compute, random weights in each shape with the embedded tokenizer (49,152 tokens); one warm-up step "
-        f"then {work['timed_steps']} timed, per system, in its own process. Versions: "
+        f"{data.get('compute_dtype', '?')} compute, random weights in each shape with the embedded tokenizer "
+        f"(49,152 tokens); one warm-up step then {work['timed_steps']} timed, per system, in its own process. "
+        "Versions: "
         + ", ".join(f"{k} {v}" for k, v in data["versions"].items())
         + ". Written by bench/gpu_bench.py (bench/gpu_check.sh).",
         "",

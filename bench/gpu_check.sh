@@ -94,8 +94,8 @@ timeout $((ROUTE_S + 30)) "$PY" bench/gpu_bench.py route --out "$OUT_DIR" --budg
     $DRY >"$LOGS/route.log" 2>&1 || tail -20 "$LOGS/route.log"
 "$PY" bench/gpu_bench.py summary --out "$OUT_DIR" $DRY
 
-# 4. into the checkout's bench/results/ too
-if [ -d bench/results ] && [ "$OUT_DIR" != "$PWD/bench/results" ]; then
+# 4. into the checkout's bench/results/ too (not a dry run's: no GPU figures)
+if [ -z "$DRY" ] && [ -d bench/results ] && [ "$OUT_DIR" != "$PWD/bench/results" ]; then
     cp "$OUT_DIR"/gpu_*.json "$OUT_DIR"/gpu_*.md bench/results/ 2>/dev/null
 fi
 say "done: $(ls "$OUT_DIR" | tr '\n' ' ')"

@@ -98,11 +98,14 @@ def test_the_samplers_and_the_trainers_logprobs_agree_in_bf16(tiny_model_cfg, de
     cfg.compute_dtype = "bfloat16"
     policy = load_policy(cfg, device)
     policy.model.eval()
+    with torch.no_grad():  # logits spread like a trained model's (entropy ~3 nats at T=1 here), not near-uniform
+        policy.model.get_input_embeddings().weight.mul_(10)  # tied: the output layer too
     samples = sampled(policy)
     update = GRPOUpdate(policy, GRPOConfig(lr=0.0, loss_type="grpo", micro_batch_size=4, old_logprobs="recorded"))
     metrics = update.step(samples, [0.5, -0.5] * (len(samples) // 2))
     assert metrics["train_tokens"] == sum(len(s.completion_ids) for s in samples)
     assert 0 < metrics["logprob_diff_abs"] <= 0.03, metrics["logprob_diff_abs"]
+    assert 1 < metrics["entropy"] < 6  # a sampled distribution, neither near-uniform nor one token
 
 
 def test_an_exact_run_asks_for_deterministic_kernels_on_cuda_only(device):
