@@ -71,7 +71,7 @@ fi
 say "the CUDA lane"
 PARALLEL=()
 "$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n 8)
-timeout "$LANE_S" "$PY" -m pytest -q -m cuda -p no:cacheprovider "${PARALLEL[@]}" tests >"$LOGS/lane.log" 2>&1
+timeout --kill-after=10 "$LANE_S" "$PY" -m pytest -q -m cuda -p no:cacheprovider "${PARALLEL[@]}" tests >"$LOGS/lane.log" 2>&1
 lane_rc=$?
 {
     echo "\`pytest -m cuda tests\` (${PARALLEL[*]:-one process}), exit code $lane_rc$([ $lane_rc = 124 ] && echo ': stopped at its budget')."

@@ -110,11 +110,10 @@ def test_the_samplers_and_the_trainers_logprobs_agree_in_bf16(tiny_model_cfg, de
 
 def test_an_exact_run_asks_for_deterministic_kernels_on_cuda_only(device):
     assert not torch.are_deterministic_algorithms_enabled()
-    try:
-        assert deterministic_kernels(device) == (device == "cuda")
+    with deterministic_kernels(device) as turned_on:
+        assert turned_on == (device == "cuda")
         assert torch.are_deterministic_algorithms_enabled() == (device == "cuda")
-    finally:
-        torch.use_deterministic_algorithms(False)
+    assert not torch.are_deterministic_algorithms_enabled()  # process-wide: given back
 
 
 # ----------------------------------------------------------------------------- where the work happens

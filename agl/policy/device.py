@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
+from collections.abc import Iterator
 
 import torch
 
@@ -28,14 +30,17 @@ def device_memory(device: torch.device | str) -> dict[str, float]:
     return {"peak_vram_mib": round(torch.cuda.max_memory_allocated(device) / 2**20, 1)}
 
 
-def deterministic_kernels(device: torch.device | str) -> bool:
-    """Turn torch's deterministic algorithms on for an exact run on CUDA; False (nothing done) elsewhere.
+@contextlib.contextmanager
+def deterministic_kernels(device: torch.device | str) -> Iterator[bool]:
+    """Within: torch's deterministic algorithms on for an exact run on CUDA (yields True); elsewhere nothing
+    (yields False). The setting is process-wide: the one before is given back on leaving.
 
     On a CPU the float32 kernels agl runs are deterministic already (the batch-invariant engine makes
     them independent of scheduling too), and the setting would only add checks.
     """
     if torch.device(device).type != "cuda":
-        return False
+        yield False
+        return
     if os.environ.get("CUBLAS_WORKSPACE_CONFIG") is None:
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE  # in time only if cuBLAS has not started yet
         warnings.warn(
@@ -43,5 +48,9 @@ def deterministic_kernels(device: torch.device | str) -> bool:
             f"(export CUBLAS_WORKSPACE_CONFIG={CUBLAS_WORKSPACE}) for cuBLAS to be deterministic",
             stacklevel=2,
         )
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
-    return True
+    try:
+        yield True
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
