@@ -17,7 +17,7 @@ CREW_BIN  := $(CREW_VENV)/bin
 FRAMEWORKS_OPENAI3 := langchain langchain-responses pydantic-ai pydantic-ai-responses openai-agents openai-agents-chat
 FRAMEWORKS_OPENAI2 := litellm langchain langchain-responses
 
-.PHONY: setup run test test-frameworks test-crewai lint bench clean
+.PHONY: setup run test test-frameworks test-crewai lint bench clean wheelhouse gpu-bundle
 
 setup: $(VENV)/.installed
 
@@ -75,6 +75,28 @@ bench: setup
 	PYTHONPATH=. $(BIN)/python bench/serve.py
 	PYTHONPATH=. $(BIN)/python bench/profile_step.py
 	PYTHONPATH=. $(BIN)/python bench/grpo_vs_trl.py
+
+# Offline install (docs/gpu.md): every wheel agl needs, for a target Python and platform, in one folder;
+# on the target: pip install --no-index --find-links $(DIR) -e '.[test,bench]' (its own torch, transformers, peft).
+WHEEL_PYTHON ?= $(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))
+PY       ?= $(shell $(WHEEL_PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+PLATFORM ?= manylinux_2_28_x86_64
+DIR      ?= .gpu/wheelhouse
+EXTRAS   ?= test,bench
+EXCLUDE  ?= torch transformers peft
+HAVE     ?=
+wheelhouse:
+	$(WHEEL_PYTHON) bench/wheelhouse.py --python $(PY) --platform $(PLATFORM) --dir $(DIR) --extras $(EXTRAS) \
+	    --exclude "$(EXCLUDE)" $(if $(HAVE),--have $(HAVE))
+
+# What bench/gpu_check.sh needs beside the checkout, in .gpu/ (the device tool's carry): the wheels the GPU
+# nodes lack (bench/gpu_node_packages.txt; no linters) and the embedded tokenizer's files.
+gpu-bundle:
+	rm -rf .gpu/wheelhouse
+	$(MAKE) --no-print-directory wheelhouse PY=3.12 PLATFORM=manylinux_2_28_x86_64 DIR=.gpu/wheelhouse \
+	    HAVE=bench/gpu_node_packages.txt EXCLUDE="torch transformers ruff import-linter"
+	PYTHONPATH=. $(WHEEL_PYTHON) bench/export_tokenizer.py .gpu/tokenizer
+	@du -sh .gpu/wheelhouse .gpu/tokenizer
 
 clean:
 	rm -rf $(VENV) $(FW_VENV) $(CREW_VENV) *.egg-info

@@ -14,16 +14,22 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from agl.errors import ConfigError  # noqa: E402
-from agl.memory import cap_kernel_caches, preload_allocator, release_freed_memory  # noqa: E402
+from agl.memory import cap_kernel_caches, preload_allocator, release_freed_memory, runs_on_cuda  # noqa: E402
 
-if __name__ == "__main__":
+# The CPU-only memory measures (agl/memory.py) stay off a run on a CUDA device; cuBLAS gets the workspace
+# setting its deterministic mode needs, read once when it starts (agl/policy/device.py).
+ON_CUDA = runs_on_cuda(sys.argv[1:])
+if ON_CUDA:
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+elif __name__ == "__main__":
     try:
         preload_allocator()  # tcmalloc or jemalloc where installed: this command again, under it (agl/memory.py)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
-release_freed_memory()  # before torch allocates: freed tensors go back to the OS (agl/memory.py)
-cap_kernel_caches()  # before torch's first matmul: a bounded number of compiled kernels
+if not ON_CUDA:
+    release_freed_memory()  # before torch allocates: freed tensors go back to the OS (agl/memory.py)
+    cap_kernel_caches()  # before torch's first matmul: a bounded number of compiled kernels
 
 import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402

@@ -26,6 +26,11 @@ the pinning above then does not apply. Measured against pinned and unpinned glib
 
 ``cap_kernel_caches`` bounds what the heaps hold for good: the compiled kernels torch's CPU
 matmuls keep per shape (see there).
+
+All of this is for a run whose model computes on the CPU. A run on a CUDA device keeps its tensors in
+the GPU's memory (torch's caching allocator), so ``harness.py`` leaves malloc and the CPU kernel caches
+as they are there (``runs_on_cuda``): the host then holds the process's Python objects, the route and
+the sampling of [rows, vocabulary] logits, where these measures were never measured to help.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ import gc
 import os
 import resource
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 
 from agl.errors import ConfigError
 
@@ -51,6 +58,31 @@ KERNEL_CACHE_CAPACITY = 64  # entries in each (both libraries default to 1024)
 MMAP_THRESHOLD_BYTES = 1 << 20
 UPDATE_MMAP_THRESHOLD_BYTES = 256 << 10  # during an update (update_memory)
 _pinned: int | None = None  # the threshold release_freed_memory set, if it did
+
+
+def runs_on_cuda(argv: Sequence[str], environ: dict | None = None, dev: Path = Path("/dev")) -> bool:
+    """Whether the job on this command line will compute on a CUDA device, told before torch loads (it
+    decides whether the CPU-only measures above apply): ``device=cuda...`` yes, ``device=cpu`` no, else
+    (``auto``, the default, or a ``resume=`` run) whether the machine shows an NVIDIA device that
+    ``CUDA_VISIBLE_DEVICES`` does not hide.
+
+    >>> runs_on_cuda(["model=tiny", "device=cpu"]), runs_on_cuda(["device=cuda:1"])
+    (False, True)
+    """
+    environ = os.environ if environ is None else environ
+    device = "auto"
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key.lstrip("+~") == "device":
+            device = value.strip().strip("'\"")
+    if device.startswith("cuda"):
+        return True
+    if device != "auto":
+        return False
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return False
+    return any(path.name[len("nvidia") :].isdigit() for path in dev.glob("nvidia[0-9]*"))
 
 
 def allocator_library(choice: str) -> str | None:

@@ -16,6 +16,7 @@ is a ConfigError rather than a wait.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from agl.config import (
 )
 from agl.errors import ConfigError
 from agl.memory import collect
+from agl.policy.device import deterministic_kernels
 from agl.policy.engine import Engine
 from agl.policy.load import Policy, load_policy
 from agl.route.server import ModelServer
@@ -92,6 +94,7 @@ class Runtime:
         self._published = False
         self._failure: Exception | None = None  # set by a part that fails the job from outside its task
         self._finished_uncollected = 0  # rollouts finished since the last agl.memory.collect
+        self._settings = contextlib.ExitStack()  # process-wide settings for the runtime's life, given back after
 
     @classmethod
     def of(cls, config: Config, run_dir: str | Path, policy: Policy | None = None) -> Runtime:
@@ -127,6 +130,8 @@ class Runtime:
         if self._policy is None:
             self._policy = await asyncio.to_thread(load_policy, self.model_config, self.device)
         engine_options = engine_kwargs(self.engine_config, self.model_config.compute_dtype)
+        if engine_options["batch_invariant"]:  # an exact run: on CUDA, deterministic kernels too (agl.policy.device)
+            self._settings.enter_context(deterministic_kernels(self.policy.device))
         self.engine = Engine(self.policy, **engine_options)
         await self.engine.start()
         frozen_names = list(self.server_config.frozen_models or [])
@@ -183,6 +188,7 @@ class Runtime:
             await self.processes.wait()
         if self.store is not None:
             await self.store.close()
+        self._settings.close()
         if self._failure is not None:
             raise self._failure from None  # not "during handling of CancelledError"
 

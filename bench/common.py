@@ -29,20 +29,30 @@ def model_config(name: str = "smollm2", compute_dtype: str | None = None) -> Any
 
     from agl.config import ModelConfig
 
-    # the yaml holds only choices over the typed schema (agl/config/schema.py); merge them as Hydra does
-    choices = OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")
-    choices.pop("defaults", None)
-    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), choices)
+    # the yaml holds only choices over the typed schema (agl/config/schema.py) and the yamls its defaults name
+    # (conf/model/tiny.yaml: smollm2.yaml's cache_dir); merge them as Hydra does
+    def choices(name: str) -> list:
+        own = OmegaConf.load(ROOT / "conf" / "model" / f"{name}.yaml")
+        defaults = own.pop("defaults", [])
+        below = [c for d in defaults if isinstance(d, str) and d not in ("model_schema", "_self_") for c in choices(d)]
+        return below + [own]
+
+    cfg = OmegaConf.merge(OmegaConf.structured(ModelConfig), *choices(name))
     if compute_dtype is not None:
         cfg.compute_dtype = compute_dtype
     return cfg
 
 
-def load_model(name: str = "smollm2", compute_dtype: str | None = None) -> Any:
-    """The policy of ``model_config(name, compute_dtype)``, on the CPU."""
+def load_model(
+    name: str = "smollm2", compute_dtype: str | None = None, device: str = "cpu", tokenizer: str | None = None
+) -> Any:
+    """The policy of ``model_config(name, compute_dtype)``, on ``device`` (``tokenizer``: ``model.tokenizer``)."""
     from agl.policy.load import load_policy
 
-    return load_policy(model_config(name, compute_dtype), "cpu")
+    cfg = model_config(name, compute_dtype)
+    if tokenizer:
+        cfg.tokenizer = tokenizer
+    return load_policy(cfg, device)
 
 
 def time_method(obj: Any, name: str, key: str, timings: dict) -> None:
@@ -66,14 +76,17 @@ def timed(fn: Any) -> float:
     return time.perf_counter() - start
 
 
-def matmul_probe(dtype: Any, n: int = 2048, rounds: int = 5, warmup: int = 1) -> float:
-    """GFLOP/s of an n x n matmul in ``dtype`` (a torch dtype), best of ``rounds`` after ``warmup`` calls."""
+def matmul_probe(dtype: Any, n: int = 2048, rounds: int = 5, warmup: int = 1, device: str = "cpu") -> float:
+    """GFLOP/s of an n x n matmul in ``dtype`` (a torch dtype) on ``device``, best of ``rounds`` after ``warmup``
+    calls (on a GPU each timed call waits for the product: ``synchronize``)."""
     import torch
 
-    a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+    a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     for _ in range(warmup):
         a @ b
-    best = min(timed(lambda: a @ b) for _ in range(rounds))
+    sync()
+    best = min(timed(lambda: (a @ b, sync())) for _ in range(rounds))
     return 2 * n**3 / best / 1e9
 
 

@@ -23,9 +23,18 @@ tcmalloc or jemalloc where installed), else glibc with its mmap threshold pinned
 caches (agl/memory.py). TRL's runs on ``--trl-malloc`` (default ``glibc``, untouched: as TRL runs).
 Results go to ``bench/results/grpo_vs_trl_<new tokens>[_trl_<malloc>][_no_checkpointing][_<label>].{md,json}``.
 
+On a GPU (``--device cuda``; bench/gpu_bench.py runs it so at each model shape): both systems on the same CUDA
+device, TRL with bf16 mixed precision where the compute dtype is bf16 (its QLoRA recipe), peak VRAM
+(``torch.cuda.max_memory_allocated``) per system; ``--model`` names a conf/model yaml (``shape_qwen25_15b``:
+random weights in Qwen2.5-1.5B's shape) and ``--tokenizer`` the folder its tokenizer comes from
+(bench/export_tokenizer.py). The CPU-only memory setup (malloc, kernel caches) is left out there, as
+``harness.py`` leaves it out.
+
     PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py --new-tokens 128
     PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py --new-tokens 256
     PYTHONPATH=. .venv/bin/python bench/grpo_vs_trl.py --rounds 1 --steps 1 --new-tokens 16   # a smoke test
+    PYTHONPATH=. python3 bench/grpo_vs_trl.py --device cuda --model shape_qwen25_15b --tokenizer .gpu/tokenizer \
+        --new-tokens 256 --rounds 1 --steps 1 --only agl trl
 """
 
 from __future__ import annotations
@@ -36,6 +45,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see harness.py
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import json
 import shlex
@@ -68,23 +78,40 @@ EPSILON, EPSILON_HIGH = (
 SYSTEMS = {"agl": "auto", "trl": "auto", "trl-fp32": "float32"}
 
 
-def resolved_dtype(name: str) -> str:
-    """``model.compute_dtype`` as agl resolves it on this machine's CPU: ``float32`` or ``bfloat16``."""
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """What both systems run on: a conf/model yaml, a device, and the folder a random-weight model's tokenizer
+    comes from (None: the embedded model's)."""
+
+    model: str = "smollm2"
+    device: str = "cpu"
+    tokenizer: str | None = None
+
+    def arguments(self) -> list[str]:
+        return ["--model", self.model, "--device", self.device] + (
+            ["--tokenizer", self.tokenizer] if self.tokenizer else []
+        )
+
+
+def resolved_dtype(name: str, device: str = "cpu") -> str:
+    """``model.compute_dtype`` as agl resolves it on ``device``: ``float32``, ``bfloat16`` or ``float16``."""
     import torch
 
     from agl.policy.load import resolve_compute_dtype
 
-    return str(resolve_compute_dtype(name, torch.device("cpu"))).removeprefix("torch.")
+    return str(resolve_compute_dtype(name, torch.device(device))).removeprefix("torch.")
 
 
-def matmul_peak(bf16_native: bool) -> dict:
+def matmul_peak(bf16_native: bool, device: str = "cpu") -> dict:
     """Best-of-5 GFLOP/s of a square matmul per dtype. bf16 without native support runs at well
-    under 1 GFLOP/s, so there a 256x256 probe (a fraction of a second) stands in for 2048x2048."""
+    under 1 GFLOP/s, so there a 256x256 probe (a fraction of a second) stands in for 2048x2048; a GPU
+    gets 8192x8192 (a 2048 product would not fill it)."""
     import torch
 
     out = {}
-    for name, dtype, n in (("bf16", torch.bfloat16, 2048 if bf16_native else 256), ("fp32", torch.float32, 2048)):
-        out[f"{name}_gflops"] = matmul_probe(dtype, n, warmup=2)
+    big = 8192 if device != "cpu" else 2048
+    for name, dtype, n in (("bf16", torch.bfloat16, big if bf16_native else 256), ("fp32", torch.float32, big)):
+        out[f"{name}_gflops"] = matmul_probe(dtype, n, warmup=2, device=device)
         out[f"{name}_probe_n"] = n
     out["bf16_native"] = bf16_native
     return out
@@ -93,7 +120,7 @@ def matmul_peak(bf16_native: bool) -> dict:
 # ----------------------------------------------------------------------------- agl worker
 
 
-def run_agl(steps: int, new_tokens: int, gradient_checkpointing: bool) -> dict:
+def run_agl(steps: int, new_tokens: int, gradient_checkpointing: bool, target: Target = Target()) -> dict:
     from hydra import compose, initialize_config_dir
 
     from agl.config import register_configs
@@ -101,6 +128,9 @@ def run_agl(steps: int, new_tokens: int, gradient_checkpointing: bool) -> dict:
     from agl.train.grpo_trainer import GRPOTrainer
 
     overrides = [
+        f"model={target.model}",
+        f"device={target.device}",
+        *([f"model.tokenizer={target.tokenizer}"] if target.tokenizer else []),
         "task=gsm8k",
         "algo=grpo",
         "progress=false",
@@ -156,6 +186,7 @@ def run_agl(steps: int, new_tokens: int, gradient_checkpointing: bool) -> dict:
                                 "train_input_tokens", 0
                             ),  # run through the update (a group's prompt once)
                             "reward_mean": m["reward_mean"],
+                            "logprob_diff_abs": m.get("logprob_diff_abs", 0.0),
                         }
                     )
                 return rows
@@ -166,7 +197,9 @@ def run_agl(steps: int, new_tokens: int, gradient_checkpointing: bool) -> dict:
 # ----------------------------------------------------------------------------- TRL worker
 
 
-def run_trl(steps: int, new_tokens: int, gradient_checkpointing: bool, compute_dtype: str) -> dict:
+def run_trl(
+    steps: int, new_tokens: int, gradient_checkpointing: bool, compute_dtype: str, target: Target = Target()
+) -> dict:
     """TRL's GRPOTrainer on agl's policy object. Phases, by wrapping TRL 1.16's methods:
     generation = ``_generate`` (tokenize, ``model.generate``, decode); logprob passes = ``compute_loss``
     (its forward through ``_get_per_token_logps_and_entropies``, and the loss) plus any old-logprob pass
@@ -183,7 +216,8 @@ def run_trl(steps: int, new_tokens: int, gradient_checkpointing: bool, compute_d
 
     from tasks.gsm8k.scoring import reward as gsm8k_reward
 
-    policy = load_model("smollm2", compute_dtype)  # the same NF4 base + fresh LoRA r16 as agl's
+    # the same NF4 base + fresh LoRA r16 as agl's
+    policy = load_model(target.model, compute_dtype, target.device, target.tokenizer)
     pool = gsm8k_prompts("train", POOL)
     dataset = Dataset.from_list(
         [{"prompt": [{"role": "user", "content": r["prompt_text"]}], "gold": r["gold"]} for r in pool]
@@ -244,8 +278,8 @@ def run_trl(steps: int, new_tokens: int, gradient_checkpointing: bool, compute_d
             logging_steps=1,
             report_to=[],
             save_strategy="no",
-            use_cpu=True,
-            bf16=False,
+            use_cpu=target.device == "cpu",
+            bf16=target.device != "cpu" and policy.compute_dtype == torch.bfloat16,  # the QLoRA recipe on a GPU
             seed=0,
             dataloader_num_workers=0,
         )
@@ -324,25 +358,41 @@ def run_trl(steps: int, new_tokens: int, gradient_checkpointing: bool, compute_d
 # ----------------------------------------------------------------------------- driver
 
 
-def worker(system: str, steps: int, new_tokens: int, gradient_checkpointing: bool) -> None:
-    preload_allocator()  # the driver set AGL_ALLOCATOR for this system; runs this worker again under it, once
+def worker(system: str, steps: int, new_tokens: int, gradient_checkpointing: bool, target: Target) -> None:
+    on_cpu = target.device == "cpu"
+    if on_cpu:  # the CPU-only memory measures, as harness.py takes them (agl/memory.py); not on a GPU
+        preload_allocator()  # the driver set AGL_ALLOCATOR for this system; runs this worker again under it, once
     if system == "agl":
-        release_freed_memory()  # as harness.py does (a no-op under tcmalloc or jemalloc)
-        cap_kernel_caches()
-        result = run_agl(steps, new_tokens, gradient_checkpointing)
+        if on_cpu:
+            release_freed_memory()  # as harness.py does (a no-op under tcmalloc or jemalloc)
+            cap_kernel_caches()
+        result = run_agl(steps, new_tokens, gradient_checkpointing, target)
     else:
-        result = run_trl(steps, new_tokens, gradient_checkpointing, SYSTEMS[system])
+        result = run_trl(steps, new_tokens, gradient_checkpointing, SYSTEMS[system], target)
     result["peak_rss_mib"] = peak_rss_mib()
     result["malloc"] = active_allocator()
+    if not on_cpu:
+        import torch
+
+        result["peak_vram_mib"] = torch.cuda.max_memory_allocated() / 2**20
     print("RESULT " + json.dumps(result), flush=True)
 
 
-def launch(system: str, steps: int, new_tokens: int, gradient_checkpointing: bool, trl_malloc: str) -> dict:
+def launch(
+    system: str,
+    steps: int,
+    new_tokens: int,
+    gradient_checkpointing: bool,
+    trl_malloc: str,
+    target: Target = Target(),
+    timeout: float | None = None,
+) -> dict:
     malloc = os.environ.get("AGL_ALLOCATOR", "auto") if system == "agl" else trl_malloc
     env = {**os.environ, "PYTHONPATH": str(ROOT), "AGL_ALLOCATOR": malloc}
     command = [sys.executable, __file__, "--worker", system, "--steps", str(steps), "--new-tokens", str(new_tokens)]
     command.append("--gradient-checkpointing" if gradient_checkpointing else "--no-gradient-checkpointing")
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    command += target.arguments()
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
@@ -379,7 +429,9 @@ def summarize(runs: list[dict], peak: dict, dtype: str) -> dict:
         "overhead_s": med("overhead_s"),
         "completion_tokens": med("completion_tokens"),
         "reward_mean": med("reward_mean"),
+        "logprob_diff_abs": med("logprob_diff_abs"),
         "peak_rss_mib": max(run["peak_rss_mib"] for run in runs),
+        "peak_vram_mib": max(run.get("peak_vram_mib", 0.0) for run in runs),
         "malloc": "/".join(sorted({run.get("malloc", "?") for run in runs})),
         "flops_per_step_gflop": flops,
         "achieved_gflops": flops / step_s,
@@ -427,24 +479,29 @@ def main() -> None:
             "TRL's malloc (AGL_ALLOCATOR's names; default glibc, as TRL runs). agl's is AGL_ALLOCATOR's (default auto)"
         ),
     )
+    parser.add_argument("--model", default="smollm2", help="a conf/model yaml: smollm2, shape_qwen25_15b, ...")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda: both systems run there")
+    parser.add_argument("--tokenizer", help="model.tokenizer: the folder a random-weight model's tokenizer is in")
     parser.add_argument("--worker", choices=list(SYSTEMS), help=argparse.SUPPRESS)
     args = parser.parse_args()
+    target = Target(args.model, args.device, args.tokenizer)
     if args.worker:
-        return worker(args.worker, args.steps, args.new_tokens, args.gradient_checkpointing)
+        return worker(args.worker, args.steps, args.new_tokens, args.gradient_checkpointing, target)
 
-    dtypes = {system: resolved_dtype(name) for system, name in SYSTEMS.items()}
+    dtypes = {system: resolved_dtype(name, args.device) for system, name in SYSTEMS.items()}
     systems, note = pick_systems(args.only, dtypes)
-    peak = matmul_peak(bf16_native=resolved_dtype("auto") == "bfloat16")
+    peak = matmul_peak(bf16_native=resolved_dtype("auto", args.device) == "bfloat16", device=args.device)
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     for round_ in range(args.rounds):
         for system in systems if round_ % 2 == 0 else systems[::-1]:
             print(f"round {round_ + 1}/{args.rounds}: {system} ...", flush=True)
             runs[system].append(
-                launch(system, args.steps, args.new_tokens, args.gradient_checkpointing, args.trl_malloc)
+                launch(system, args.steps, args.new_tokens, args.gradient_checkpointing, args.trl_malloc, target)
             )
     summary = {s: summarize(r, peak, dtypes[s]) for s, r in runs.items()}
     result = {
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "target": dataclasses.asdict(target),
         "command": shlex.join(["PYTHONPATH=.", ".venv/bin/python", "bench/grpo_vs_trl.py", *sys.argv[1:]]),
         "workload": {
             "B": B,
@@ -465,9 +522,24 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     stem = f"grpo_vs_trl_{args.new_tokens}" + ("" if args.trl_malloc == "glibc" else f"_trl_{args.trl_malloc}")
     stem += ("" if args.gradient_checkpointing else "_no_checkpointing") + (f"_{args.label}" if args.label else "")
+    stem += ("" if args.model == "smollm2" else f"_{args.model}") + ("" if args.device == "cpu" else f"_{args.device}")
     (RESULTS / f"{stem}.json").write_text(json.dumps(result, indent=1))
     (RESULTS / f"{stem}.md").write_text(render(result))
     print(render(result))
+
+
+def _workload_model(target: dict | None) -> str:
+    model = (target or {}).get("model", "smollm2")
+    return "SmolLM2-135M-Instruct" if model == "smollm2" else f"`model={model}` (random weights)"
+
+
+def _machine(target: dict | None) -> str:
+    device = (target or {}).get("device", "cpu")
+    if device == "cpu":
+        return "CPU (2 cores)"
+    import torch
+
+    return torch.cuda.get_device_name(device)
 
 
 def _short(dtype: str) -> str:
@@ -490,7 +562,7 @@ def render(result: dict) -> str:
     lines = [
         f"# GRPO step: agl vs TRL GRPOTrainer, <= {work['new_tokens']} new tokens",
         "",
-        f"{result['date']}. SmolLM2-135M-Instruct NF4 + LoRA r16, CPU (2 cores). "
+        f"{result['date']}. {_workload_model(result.get('target'))} NF4 + LoRA r16, {_machine(result.get('target'))}. "
         f"B={work['B']} prompts x G={work['G']}, "
         f"<= {work['new_tokens']} new tokens, lr {work['lr']}, "
         f"DAPO (clip {work['epsilon']} / {work['epsilon_high']}), beta 0, mu 1. "
@@ -513,6 +585,7 @@ def render(result: dict) -> str:
         ("completion tokens / step", "completion_tokens", "{:.0f}"),
         ("reward mean", "reward_mean", "{:.3f}"),
         ("peak RSS MiB", "peak_rss_mib", "{:.0f}"),
+        ("peak VRAM MiB", "peak_vram_mib", "{:.0f}"),
         ("malloc", "malloc", "{}"),
         ("GFLOP / step (est.)", "flops_per_step_gflop", "{:.0f}"),
         ("achieved GFLOP/s", "achieved_gflops", "{:.1f}"),

@@ -3,6 +3,7 @@
 import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see harness.py: set before torch loads
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # see harness.py: before cuBLAS starts (CUDA only)
 from pathlib import Path
 
 import pytest
@@ -16,11 +17,13 @@ from agl.store import SqliteStore
 register_configs()  # conf/ names the typed schemas (agl/config/schema.py): tests compose it with Hydra's compose API
 
 # The tiny random-weight Llama with the real SmolLM2 tokenizer (conf/model/tiny.yaml, resolved:
-# that file uses Hydra defaults, so it cannot be loaded on its own).
+# that file uses Hydra defaults, so it cannot be loaded on its own). AGL_TOKENIZER: where the tokenizer's
+# files are instead of the embedded GGUF (bench/gpu_check.sh sets it on a GPU node).
 TINY_MODEL = {
     "name": "tiny",
     "path": "tiny",
-    "cache_dir": "~/.cache/agl",
+    "cache_dir": os.environ.get("AGL_CACHE", "~/.cache/agl"),  # as conf/model/smollm2.yaml reads them
+    "tokenizer": os.environ.get("AGL_TOKENIZER"),  # a GPU node has no embedded GGUF: its tokenizer's files
     "quantization": "nf4",
     "compute_dtype": "float32",
     "lora": {"r": 8, "alpha": 16, "dropout": 0.0, "target_modules": "all-linear"},
@@ -34,6 +37,27 @@ TINY_MODEL = {
         "seed": 0,
     },
 }
+
+
+# The CUDA lane: tests that take ``device`` run once per device, on "cuda" wherever torch sees a GPU
+# (``pytest -m cuda`` runs only those); without one the cuda runs skip, saying so, and the cpu runs are
+# the suite as it was. docs/gpu.md.
+DEVICES = [pytest.param("cpu", id="cpu"), pytest.param("cuda", id="cuda", marks=pytest.mark.cuda)]
+NO_CUDA = "torch sees no CUDA device (the CUDA lane runs where one is: bench/gpu_check.sh)"
+
+
+def skip_without(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        pytest.skip(NO_CUDA)
+
+
+@pytest.fixture(scope="module", params=DEVICES)
+def device(request) -> str:
+    """The device a test's policy and tensors live on: "cpu", then "cuda" (skipped without a GPU)."""
+    skip_without(request.param)
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""agl.policy.decode's step computes what the model's forward computes, and the engine samples the same with it."""
+"""agl.policy.decode's step computes what the model's forward computes, and the engine samples the same with it:
+for the tiny Llama and a tiny Qwen2 (biased q/k/v, the architecture of conf/model/shape_qwen25_*.yaml)."""
 
 import asyncio
 
@@ -13,9 +14,11 @@ from agl.policy.load import load_policy
 from agl.policy.sampler_weights import MergedSampler
 
 
-@pytest.fixture()
-def policy(tiny_model_cfg):
-    policy = load_policy(tiny_model_cfg, "cpu")
+@pytest.fixture(params=["llama", "qwen2"])
+def policy(request, tiny_model_cfg, device):
+    cfg = tiny_model_cfg.copy()
+    cfg.tiny.architecture = request.param
+    policy = load_policy(cfg, device)
     policy.model.eval()
     return policy
 
@@ -25,9 +28,9 @@ def prefilled(model, ids, mask):
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     with torch.inference_mode():
         out = model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
+            input_ids=ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            position_ids=positions.to(model.device),
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
@@ -49,17 +52,19 @@ def decode_both(policy, steps=5):
     for _ in range(steps):
         mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], dim=1)
         with torch.inference_mode():
+            device = policy.device
             expected = (
                 merged.model()(
-                    input_ids=tokens[:, None],
-                    attention_mask=mask,
-                    position_ids=positions[:, None],
+                    input_ids=tokens[:, None].to(device),
+                    attention_mask=mask.to(device),
+                    position_ids=positions[:, None].to(device),
                     past_key_values=cache_model,
                     use_cache=True,
                     logits_to_keep=1,
                 )
                 .logits[:, -1]
                 .float()
+                .cpu()
             )
             got = step(tokens, positions, mask, cache_step)
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -22,8 +22,8 @@ LONGEST = 24
 
 
 @pytest.fixture(scope="module")
-def policy(tiny_model_cfg):
-    policy = load_policy(tiny_model_cfg, "cpu")
+def policy(tiny_model_cfg, device):
+    policy = load_policy(tiny_model_cfg, device)
     policy.model.eval()
     return policy
 

@@ -16,8 +16,8 @@ from agl.train.samples import Sample
 
 
 @pytest.fixture(scope="module")
-def policy(tiny_model_cfg):
-    return load_policy(tiny_model_cfg, "cpu")
+def policy(tiny_model_cfg, device):
+    return load_policy(tiny_model_cfg, device)
 
 
 def make_samples(prompt, completions, rewards, group="g"):

@@ -27,7 +27,9 @@ def reference(hidden, weight, tokens, temperature):
     n=3, hidden_size=3, vocab=38, seed=3, temperature=0.201171875, scale=5.0
 )  # failed when the op ran fp64 inputs in fp32
 @settings(max_examples=80, deadline=None)
-def test_value_entropy_and_gradients_match_the_plain_computation(n, hidden_size, vocab, seed, temperature, scale):
+def test_value_entropy_and_gradients_match_the_plain_computation(
+    device, n, hidden_size, vocab, seed, temperature, scale
+):
     gen = torch.Generator().manual_seed(seed)
     hidden = torch.randn(n, hidden_size, generator=gen, dtype=torch.float64) * scale
     weight = torch.randn(vocab, hidden_size, generator=gen, dtype=torch.float64)
@@ -36,6 +38,7 @@ def test_value_entropy_and_gradients_match_the_plain_computation(n, hidden_size,
         0.5
     )
     upstream = torch.randn(n, generator=gen, dtype=torch.float64)
+    hidden, weight, tokens, temps, upstream = (t.to(device) for t in (hidden, weight, tokens, temps, upstream))
 
     results = []
     for fn in (token_logprobs, reference):
@@ -44,6 +47,7 @@ def test_value_entropy_and_gradients_match_the_plain_computation(n, hidden_size,
         (logp * upstream).sum().backward()
         results.append((logp.detach(), entropy, h.grad, w.grad))
     for got, expected in zip(*results):
+        assert got.device.type == torch.device(device).type  # computed where its inputs are
         torch.testing.assert_close(got.double(), expected.double(), atol=1e-4, rtol=1e-4)
 
 
@@ -64,19 +68,19 @@ def test_a_second_backward_through_the_same_graph_is_refused():
         logp.sum().backward()
 
 
-def test_the_forward_in_blocks_of_rows_gives_what_one_block_gives(monkeypatch):
+def test_the_forward_in_blocks_of_rows_gives_what_one_block_gives(monkeypatch, device):
     """The forward's logits are made a block of rows at a time (agl.train.logprobs.CHUNK_BYTES): the same
     log-probs, entropies and gradients as all rows at once, here in blocks of 3 rows and a last of 1."""
     import agl.train.logprobs
 
     torch.manual_seed(5)
-    hidden, weight = torch.randn(10, 16), torch.randn(50, 16)
-    tokens, temperature = torch.randint(0, 50, (10,)), torch.rand(10) + 0.5
+    hidden, weight = torch.randn(10, 16, device=device), torch.randn(50, 16, device=device)
+    tokens, temperature = torch.randint(0, 50, (10,), device=device), torch.rand(10, device=device) + 0.5
 
     def run():
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         logp, entropy = token_logprobs(h, w, tokens, temperature)
-        (logp * torch.arange(10)).sum().backward()
+        (logp * torch.arange(10, device=device)).sum().backward()
         return logp.detach(), entropy, h.grad, w.grad
 
     whole = run()

@@ -8,8 +8,8 @@ from agl.policy.sampler_weights import DenseLinear, MergedSampler
 
 
 @pytest.fixture()
-def policy(tiny_model_cfg):
-    policy = load_policy(tiny_model_cfg, "cpu")  # NF4 base, fp32 compute: the two paths agree to rounding
+def policy(tiny_model_cfg, device):
+    policy = load_policy(tiny_model_cfg, device)  # NF4 base, fp32 compute: the two paths agree to rounding
     policy.model.eval()
     return policy
 
@@ -19,14 +19,14 @@ IDS = torch.tensor([[1, 9690, 198, 4093, 314, 253, 1345, 2]])
 
 def logits(model):
     with torch.no_grad():
-        return model(input_ids=IDS).logits
+        return model(input_ids=IDS.to(model.device)).logits
 
 
 def optimizer_step(policy, lr=0.05):
     """What training does to the LoRA: in-place updates of its parameters."""
     optimizer = torch.optim.SGD(policy.trainable_parameters(), lr=lr)
     logits(policy.model)  # a forward with grad to get a real gradient
-    out = policy.model(input_ids=IDS).logits
+    out = policy.model(input_ids=IDS.to(policy.device)).logits
     out[0, -1, :100].sum().backward()
     optimizer.step()
     optimizer.zero_grad()
@@ -74,13 +74,13 @@ def test_only_linear_layers_are_replaced_everything_else_is_shared(policy):
 
 
 @pytest.mark.parametrize("vocabulary_lora", [False, True], ids=["linear-lora", "with-embedding-and-head-lora"])
-def test_the_frozen_base_sampler_ignores_the_adapter_and_its_updates(tiny_model_cfg, vocabulary_lora):
+def test_the_frozen_base_sampler_ignores_the_adapter_and_its_updates(tiny_model_cfg, device, vocabulary_lora):
     """``lora=False`` (the route's helper models): the base model, however the LoRA is trained,
     without touching the policy's own adapter switch."""
     cfg = tiny_model_cfg.copy()
     cfg.tiny.tie_word_embeddings = not vocabulary_lora  # an untied head can carry its own LoRA
     cfg.lora.train_embeddings = cfg.lora.train_head = vocabulary_lora
-    policy = load_policy(cfg, "cpu")
+    policy = load_policy(cfg, device)
     policy.model.eval()
     frozen = MergedSampler(policy.model, policy.compute_dtype, lora=False)
     for _ in range(2):

@@ -55,7 +55,10 @@ def is_cost(name: str) -> bool:
     return name.startswith("time_") or name.endswith(("_s", "_mib")) or name == "prompt_tokens"
 
 
-def harness(*args: str, kill: str = "") -> subprocess.Popen:
+def harness(*args: str, kill: str = "", device: str = "cpu") -> subprocess.Popen:
+    """``harness.py`` on ``device`` (a resumed run keeps the device it was started with: its saved config)."""
+    if not any(a.startswith("resume=") for a in args):
+        args = (*args, f"device={device}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "tests"), "AGL_TEST_KILL": kill}
     return subprocess.Popen(
         [sys.executable, "harness.py", *args],
@@ -73,8 +76,8 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> None:
     assert proc.returncode == 0, out[-3000:]
 
 
-def run(run_dir: Path) -> Path:
-    finish(harness(*RUN, f"hydra.run.dir={run_dir}"))
+def run(run_dir: Path, device: str) -> Path:
+    finish(harness(*RUN, f"hydra.run.dir={run_dir}", device=device))
     return run_dir
 
 
@@ -96,12 +99,13 @@ def query(run_dir: Path, sql: str) -> list[tuple]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    return run(tmp_path_factory.mktemp("reference") / "run")
+def reference(tmp_path_factory, device) -> Path:
+    """The uninterrupted run, on each device (on CUDA: float32 with torch's deterministic algorithms)."""
+    return run(tmp_path_factory.mktemp("reference") / "run", device)
 
 
-def test_one_seed_gives_one_run(reference, tmp_path):
-    again = run(tmp_path / "again")
+def test_one_seed_gives_one_run(reference, tmp_path, device):
+    again = run(tmp_path / "again", device)
     assert adapter(again) == adapter(reference)
     assert metrics(again) == metrics(reference)
     # the store too: the same rollouts, ids, tokens and log-probs (stored in arrival order, so sorted)
@@ -112,19 +116,19 @@ def test_one_seed_gives_one_run(reference, tmp_path):
     assert query(again, sql) == query(reference, sql)
 
 
-def test_another_seed_gives_another_run(reference, tmp_path):
+def test_another_seed_gives_another_run(reference, tmp_path, device):
     other = tmp_path / "other"
-    finish(harness(*RUN, "seed=4", f"hydra.run.dir={other}"))
+    finish(harness(*RUN, "seed=4", f"hydra.run.dir={other}", device=device))
     assert adapter(other) != adapter(reference)
 
 
-def test_kill_9_anywhere_changes_nothing(reference, tmp_path):
+def test_kill_9_anywhere_changes_nothing(reference, tmp_path, device):
     """Killed at three random moments, then inside a rollout, inside an update and inside a
     checkpoint write, resumed each time: the adapter bytes and metrics of the uninterrupted run."""
     run_dir = tmp_path / "killed"
     rng = random.Random(int(os.environ.get("AGL_TEST_KILL_SEED", "0")))
     checkpoints_at_kill = []
-    proc = harness(*RUN, f"hydra.run.dir={run_dir}")
+    proc = harness(*RUN, f"hydra.run.dir={run_dir}", device=device)
     for point in ("random", "random", "random", "rollout", "update", "checkpoint"):
         if point == "random":
             time.sleep(rng.uniform(2.0, 7.0))

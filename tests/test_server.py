@@ -35,14 +35,14 @@ MODEL = "tiny"  # the policy's name: the only `model` the route accepts unless t
 class Served:
     """Engine + store + ModelServer on an event loop of their own, in a daemon thread."""
 
-    def __init__(self, cfg, store_path):
+    def __init__(self, cfg, store_path, device="cpu"):
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)
         self.thread.start()
-        self.call(self._start(cfg, store_path))
+        self.call(self._start(cfg, store_path, device))
 
-    async def _start(self, cfg, store_path):
-        self.policy = load_policy(cfg, "cpu")
+    async def _start(self, cfg, store_path, device):
+        self.policy = load_policy(cfg, device)
         self.engine = Engine(self.policy)
         await self.engine.start()
         self.store = SqliteStore(store_path)
@@ -90,8 +90,8 @@ class Served:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_model_cfg, tmp_path_factory):
-    served = Served(tiny_model_cfg, tmp_path_factory.mktemp("route") / "store.sqlite")
+def served(tiny_model_cfg, tmp_path_factory, device):
+    served = Served(tiny_model_cfg, tmp_path_factory.mktemp("route") / "store.sqlite", device)
     yield served
     served.close()
 

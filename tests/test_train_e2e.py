@@ -46,9 +46,9 @@ def lora_state(policy):
     return {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
 
 
-async def test_grpo_steps_through_the_route_change_the_lora(tmp_path):
+async def test_grpo_steps_through_the_route_change_the_lora(tmp_path, device):
     # a multi-turn agent: its calls must merge into one sample per rollout
-    cfg = compose_cfg(TINY_RUN + ["algo.steps=2", "algo.eval_every=0", "task.eval_size=4"])
+    cfg = compose_cfg(TINY_RUN + ["algo.steps=2", "algo.eval_every=0", "task.eval_size=4", f"device={device}"])
     async with Runtime.of(to_typed(cfg), tmp_path) as rt:
         trainer = GRPOTrainer(rt, to_typed(cfg).algo)
         before = lora_state(rt.policy)
@@ -73,12 +73,18 @@ async def test_grpo_steps_through_the_route_change_the_lora(tmp_path):
     assert [line["step"] for line in lines] == [-1, 0, 1]  # baseline eval + 2 steps
     # the trainer's first-pass logprobs reproduce what the route recorded while sampling
     assert lines[1]["logprob_diff_abs"] < 1e-3, lines[1]["logprob_diff_abs"]
+    # the GPU's peak memory, on CUDA only (torch.cuda.max_memory_allocated), in every step's row
+    if device == "cuda":
+        assert all(line["peak_vram_mib"] > 0 for line in lines[1:]), lines
+    else:
+        assert not any("peak_vram_mib" in line for line in lines)
 
 
-def test_kill_and_resume_continues_at_the_last_committed_step(tmp_path):
+def test_kill_and_resume_continues_at_the_last_committed_step(tmp_path, device):
     """SIGKILL a real training process mid-run; resuming finishes with the step count intact."""
     run_dir = tmp_path / "run"
     args = [sys.executable, "harness.py", *TINY_RUN, "algo.steps=4", "algo.eval_every=0", f"hydra.run.dir={run_dir}"]
+    args.append(f"device={device}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "tests")}
     proc = subprocess.Popen(
         args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True

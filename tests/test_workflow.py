@@ -192,13 +192,13 @@ def test_sft_mask_covers_assistant_content_and_end_of_turn(tiny_model_cfg):
     )
 
 
-def test_sft_loss_through_the_fused_head_equals_the_full_logits_nll(tiny_model_cfg, monkeypatch):
+def test_sft_loss_through_the_fused_head_equals_the_full_logits_nll(tiny_model_cfg, monkeypatch, device):
     """The SFT loss and its gradients, computed only at assistant positions through the fused
     head, are the plain masked NLL of the model's full logits (the path for other output layers)."""
     import agl.train.forward
     from agl.train.sft import sft_loss_and_backward
 
-    policy = load_policy(tiny_model_cfg, "cpu")
+    policy = load_policy(tiny_model_cfg, device)
     chats = [
         [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
         for q, a in [("Who are you?", "I am Lightning."), ("Name?", "Lightning, and a long answer to pad the batch.")]
@@ -411,13 +411,13 @@ async def test_an_async_agent_that_blocks_slows_only_itself(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("change", [{"gradient_checkpointing": True}, {"micro_batch_tokens": 40}])
-def test_sft_checkpointing_and_token_budgets_keep_the_loss_and_gradients(tiny_model_cfg, change):
+def test_sft_checkpointing_and_token_budgets_keep_the_loss_and_gradients(tiny_model_cfg, change, device):
     """SFT with decoder layers replayed in backward, or cut into passes by a token budget: the same
     token-mean NLL and gradients as the plain micro-batches."""
     from agl.train.micro_batches import sft_micro_batches
     from agl.train.sft import sft_loss_and_backward
 
-    policy = load_policy(tiny_model_cfg, "cpu")
+    policy = load_policy(tiny_model_cfg, device)
     chats = [
         [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
         for q, a in [

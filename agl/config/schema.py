@@ -127,8 +127,10 @@ class LoraConfig:
 
 @dataclasses.dataclass
 class TinyConfig:
-    """``model.path=tiny``: a random-weight Llama with the real SmolLM2 tokenizer (conf/model/tiny.yaml)."""
+    """``model.path=tiny``: a random-weight model with the real SmolLM2 tokenizer (conf/model/tiny.yaml; real
+    models' shapes: conf/model/shape_*.yaml)."""
 
+    architecture: str = "llama"  # llama | qwen2 (transformers' LlamaConfig / Qwen2Config)
     hidden_size: int = 64
     intermediate_size: int = 128
     num_hidden_layers: int = 2
@@ -136,6 +138,8 @@ class TinyConfig:
     num_key_value_heads: int = 2
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = True  # like SmolLM2's
+    rope_theta: Optional[float] = None  # null: the architecture's default
+    rms_norm_eps: Optional[float] = None  # null: the architecture's default
     seed: int = 0
 
 
@@ -143,6 +147,9 @@ class TinyConfig:
 class ModelConfig:
     name: str = "SmolLM2-135M-Instruct"
     path: str = "embedded"  # embedded | tiny | a local HF model dir | a hub id
+    # path=tiny: a directory holding a HF tokenizer (bench/export_tokenizer.py writes the embedded one's);
+    # null: the embedded model's, converted from its GGUF
+    tokenizer: Optional[str] = None
     cache_dir: str = "~/.cache/agl"  # the yaml reads $AGL_CACHE first
     quantization: str = "nf4"  # nf4 | fp4 | int8 | none
     double_quant: bool = False

@@ -61,7 +61,7 @@ def run_export(config: Config, run_dir: Path) -> dict:
     out = Path(algo.out).expanduser() if algo.out else run_dir / "export"
     if out.exists() and any(out.iterdir()):
         raise ConfigError(f"algo.out '{out}' already holds files; remove it or choose another algo.out")
-    base = resolve_model_path(settings.path, settings.cache_dir, settings.tiny)
+    base = resolve_model_path(settings.path, settings.cache_dir, settings.tiny, settings.tokenizer)
     gguf_name = f"model-{algo.dtype}.gguf"
     with staged(out) as tmp:
         with quiet_loading():

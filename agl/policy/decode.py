@@ -1,4 +1,4 @@
-"""One decode step of a Llama-family sampler, without the model's generic forward.
+"""One decode step of a Llama-family sampler (Llama, Qwen2), without the model's generic forward.
 
 The engine's decode step feeds one token per row. Through transformers' forward that is, per
 layer, three attention projections and two MLP input projections as separate matmuls, a 4-d
@@ -22,7 +22,7 @@ merging and retiring rows are unchanged.
 Forward hooks are honoured on the embeddings, the final norm and the output layer (called as
 modules), not inside the decoder layers. Other architectures, a LoRA module left in place of a
 dense layer (``engine.weights=adapter``), or a rotary embedding whose frequencies depend on the
-length fall back to the model's forward (``decode_step`` returns None).
+length, or Qwen2's sliding window, fall back to the model's forward (``decode_step`` returns None).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from torch.nn import functional as F
 
 from agl.policy.sampler_weights import DenseLinear
 
-SUPPORTED = ("llama",)
+SUPPORTED = ("llama", "qwen2")  # Qwen2: the same step with biased q/k/v projections (DenseLinear keeps them)
 STATIC_ROPE = ("default", "linear", "llama3")  # inv_freq fixed at load time
 
 
@@ -161,6 +161,8 @@ def decode_step(sampler: Any) -> LlamaDecodeStep | None:
     config = model.config
     inner = getattr(model, "model", None)
     if config.model_type not in SUPPORTED or inner is None or getattr(config, "hidden_act", None) != "silu":
+        return None
+    if getattr(config, "use_sliding_window", False):  # Qwen2's sliding-window layers attend to a window only
         return None
     rotary = getattr(inner, "rotary_emb", None)
     if rotary is None or getattr(rotary, "rope_type", "default") not in STATIC_ROPE:

@@ -192,7 +192,7 @@ def _load_policy(cfg: Any, device: str) -> Policy:
     torch_device = resolve_device(device)
     compute_dtype = resolve_compute_dtype(cfg.compute_dtype, torch_device)
     quant = quantization_config(cfg.quantization, compute_dtype, cfg.double_quant)
-    path = resolve_model_path(cfg.path, cfg.cache_dir, cfg.tiny)
+    path = resolve_model_path(cfg.path, cfg.cache_dir, cfg.tiny, cfg.tokenizer)
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

