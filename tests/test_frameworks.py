@@ -204,6 +204,25 @@ def test_tool_call_then_answer(served, name, stream):
     assert spans[1].attributes["request"]["messages"][-1]["role"] == "tool"
 
 
+STRUCTURED = [name for name in FRAMEWORKS if not name.startswith("litellm")]
+
+
+@pytest.mark.parametrize("name", STRUCTURED)
+def test_structured_output(served, name):
+    """The framework asks for a pydantic model (LangChain's with_structured_output, pydantic-ai's
+    NativeOutput, the Agents SDK's output_type): the route enforces its JSON schema, so even the
+    tiny random model's reply parses into it, and the span records the grammar it was sampled under."""
+    agent, kwargs = framework(name, "structured")
+    reward, transcript, spans = run(served, agent, TINY, **kwargs)
+    [said] = transcript
+    [span] = spans
+    schema = span.attributes["request"]["response_format"]["json_schema"]["schema"]
+    assert schema["properties"]["unit"]["enum"] == ["apples", "pears"]
+    assert span.attributes["constraint"]["kind"] == "json_schema" and span.attributes["finish_reason"] == "stop"
+    assert json.loads(span.attributes["response_text"]) == said["parsed"]
+    assert reward == float(said["parsed"]["answer"] == 3)
+
+
 # ----------------------------------------------------------------------------- the embedded model
 
 ROOT = Path(__file__).resolve().parents[1]
