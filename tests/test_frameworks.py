@@ -130,9 +130,16 @@ def check(served, spans, transcript, reward, tools=False):
     [sample] = spans_to_samples(spans, reward=reward)
     assert sample.prompt_ids == first.prompt_token_ids and sample.reward == reward
     assert sample.prompt_ids + sample.completion_ids == spans[-1].prompt_token_ids + spans[-1].response_token_ids
-    assert sample.num_sampled == sum(map(len, (s.response_token_ids for s in spans))) == sum(sample.mask)
+    # loss on every sampled id, but those a grammar forced (strict tools: agl.route.structure)
+    chosen = [
+        [t for t, n in zip(s.response_token_ids, (s.attributes.get("constraint") or {}).get("allowed") or []) if n != 1]
+        if s.attributes.get("constraint")
+        else s.response_token_ids
+        for s in spans
+    ]
+    assert sample.num_sampled == sum(map(len, chosen)) == sum(sample.mask)
     sampled = [i for i, m in zip(sample.completion_ids, sample.mask) if m]
-    assert sampled == [t for s in spans for t in s.response_token_ids]
+    assert sampled == [t for ids in chosen for t in ids]
 
 
 # ----------------------------------------------------------------------------- the tiny model
