@@ -295,3 +295,29 @@ def test_replay_rebuilds_the_masks_and_refuses_tokens_off_the_grammar(served):
         state.consume(token)
     with pytest.raises(ValueError, match="does not follow"):
         replay(grammar.text, served.policy.tokenizer.encode('{"b": 4}'), tokenizer)
+
+
+def test_a_free_sequence_samples_the_same_beside_a_constrained_one(served):
+    """Rows without a grammar pay nothing and see nothing of their neighbours' masks: with every row
+    its own batch (batch_invariant), a seeded free sequence samples the same ids and log-probs alone
+    and next to one under a grammar."""
+    from agl.policy.engine import Engine, SamplingParams
+
+    prompt = served.policy.render_chat(USER)
+    free = SamplingParams(max_tokens=12, temperature=0.8, seed=3)
+    constrained = SamplingParams(max_tokens=12, temperature=0.8, seed=4, grammar=Grammar.json_schema(DIGIT))
+
+    async def run(*params):
+        engine = Engine(served.policy, batch_invariant=True)
+        await engine.start()
+        try:
+            streams = [engine.submit(prompt, p)[0] for p in params]
+            return [await s.wait() for s in streams]
+        finally:
+            await engine.stop()
+
+    [alone] = served.call(run(free))
+    beside, digit = served.call(run(free, constrained))
+    assert beside.token_ids == alone.token_ids and beside.logprobs == alone.logprobs and not beside.allowed
+    assert digit.finish_reason == "stop" and 0 <= int(served.policy.tokenizer.decode(digit.token_ids[:-1])) <= 9
+    assert len(digit.allowed) == len(digit.token_ids) and digit.allowed[-1] == 1 and digit.logprobs[-1] == 0.0

@@ -571,8 +571,11 @@ class Engine:
                 seqs[i].error = f"the grammar allows no token: {seqs[i].grammar.error or 'it is in an error state'}"
                 bitmask_RW[r] = -1
             allowed[i] = counts[r]
-        index = torch.tensor(rows)
-        scaled_BV[index] = scaled_BV[index] + mask_bias(bitmask_RW, V)
+        bias_RV = mask_bias(bitmask_RW, V)
+        if len(rows) == len(seqs):
+            scaled_BV.add_(bias_RV)
+        else:
+            scaled_BV.index_add_(0, torch.tensor(rows), bias_RV)
         return allowed
 
 
