@@ -430,3 +430,50 @@ async def openai_agents_tools(
         else replies
     )
     return _reward(result.final_output)
+
+
+# ----------------------------------------------------------------------------- structured outputs
+# Each framework's own way of asking for a reply shaped as a pydantic model; the route enforces the
+# schema (docs/structured-outputs.md). The agents append {"parsed": the model's fields} to transcript.
+
+
+def structured_output_type():
+    """The reply's shape: small enough that even the tiny random model ends it within a few tokens."""
+    from typing import Literal
+
+    from pydantic import BaseModel, Field
+
+    class Sum(BaseModel):
+        answer: int = Field(ge=0, le=9)
+        sure: bool
+        unit: Literal["apples", "pears"]
+
+    return Sum
+
+
+def _structured_reward(output, transcript: list) -> float:
+    transcript.append({"parsed": output.model_dump()})
+    return float(output.answer == 3)
+
+
+def langchain_structured(task: dict, llm: agl.LLM, transcript: list, responses: bool = False, **_) -> float:
+    model = _langchain_model(llm, responses).with_structured_output(structured_output_type())  # method="json_schema"
+    return _structured_reward(model.invoke(task["question"]), transcript)
+
+
+def pydantic_ai_structured(task: dict, llm: agl.LLM, transcript: list, responses: bool = False, **_) -> float:
+    from pydantic_ai import Agent, NativeOutput
+
+    agent = _pydantic_agent(llm, responses=responses)
+    native = Agent(agent.model, output_type=NativeOutput(structured_output_type()), model_settings=agent.model_settings)
+    return _structured_reward(native.run_sync(task["question"]).output, transcript)
+
+
+async def openai_agents_structured(task: dict, llm: agl.LLM, transcript: list, responses: bool = True, **_) -> float:
+    import agents
+
+    client, model, config = _agents_config(llm, responses)
+    agent = _agents_agent(llm, model).clone(output_type=structured_output_type())
+    async with client:
+        result = await agents.Runner.run(agent, task["question"], run_config=config)
+    return _structured_reward(result.final_output, transcript)

@@ -130,9 +130,16 @@ def check(served, spans, transcript, reward, tools=False):
     [sample] = spans_to_samples(spans, reward=reward)
     assert sample.prompt_ids == first.prompt_token_ids and sample.reward == reward
     assert sample.prompt_ids + sample.completion_ids == spans[-1].prompt_token_ids + spans[-1].response_token_ids
-    assert sample.num_sampled == sum(map(len, (s.response_token_ids for s in spans))) == sum(sample.mask)
+    # loss on every sampled id, but those a grammar forced (strict tools: agl.route.structure)
+    chosen = [
+        [t for t, n in zip(s.response_token_ids, (s.attributes.get("constraint") or {}).get("allowed") or []) if n != 1]
+        if s.attributes.get("constraint")
+        else s.response_token_ids
+        for s in spans
+    ]
+    assert sample.num_sampled == sum(map(len, chosen)) == sum(sample.mask)
     sampled = [i for i, m in zip(sample.completion_ids, sample.mask) if m]
-    assert sampled == [t for s in spans for t in s.response_token_ids]
+    assert sampled == [t for ids in chosen for t in ids]
 
 
 # ----------------------------------------------------------------------------- the tiny model
@@ -202,6 +209,25 @@ def test_tool_call_then_answer(served, name, stream):
     result = tok.decode(spans[1].prompt_token_ids[len(spans[0].prompt_token_ids) + len(spans[0].response_token_ids) :])
     assert "<tool_response>\n3\n</tool_response>" in result  # the tool's result, as the framework sent it
     assert spans[1].attributes["request"]["messages"][-1]["role"] == "tool"
+
+
+STRUCTURED = [name for name in FRAMEWORKS if not name.startswith("litellm")]
+
+
+@pytest.mark.parametrize("name", STRUCTURED)
+def test_structured_output(served, name):
+    """The framework asks for a pydantic model (LangChain's with_structured_output, pydantic-ai's
+    NativeOutput, the Agents SDK's output_type): the route enforces its JSON schema, so even the
+    tiny random model's reply parses into it, and the span records the grammar it was sampled under."""
+    agent, kwargs = framework(name, "structured")
+    reward, transcript, spans = run(served, agent, TINY, **kwargs)
+    [said] = transcript
+    [span] = spans
+    schema = span.attributes["request"]["response_format"]["json_schema"]["schema"]
+    assert schema["properties"]["unit"]["enum"] == ["apples", "pears"]
+    assert span.attributes["constraint"]["kind"] == "json_schema" and span.attributes["finish_reason"] == "stop"
+    assert json.loads(span.attributes["response_text"]) == said["parsed"]
+    assert reward == float(said["parsed"]["answer"] == 3)
 
 
 # ----------------------------------------------------------------------------- the embedded model

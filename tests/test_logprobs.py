@@ -88,3 +88,53 @@ def test_the_forward_in_blocks_of_rows_gives_what_one_block_gives(monkeypatch, d
     blocks = run()
     for a, b in zip(blocks, whole):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)  # BLAS may sum a block of rows in another order
+
+
+@given(n=st.integers(1, 7), vocab=st.integers(2, 70), seed=st.integers(0, 2**16), blocks=st.booleans())
+@settings(max_examples=40, deadline=None)
+def test_grammar_masked_rows_equal_the_log_softmax_of_masked_logits(n, vocab, seed, blocks):
+    """Rows with a grammar mask (agl.policy.grammar) get the masked distribution's log-prob, entropy
+    and gradient; rows without one are untouched; in one block of rows or several."""
+    import agl.train.logprobs
+
+    chunk = agl.train.logprobs.CHUNK_BYTES
+    agl.train.logprobs.CHUNK_BYTES = 2 * vocab * 8 if blocks else chunk
+    try:
+        check_masked_rows(n, vocab, seed)
+    finally:
+        agl.train.logprobs.CHUNK_BYTES = chunk
+
+
+def check_masked_rows(n, vocab, seed):
+    from agl.policy.grammar import mask_bias
+
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, 6, generator=gen, dtype=torch.float64) * 3
+    weight = torch.randn(vocab, 6, generator=gen, dtype=torch.float64)
+    temps = torch.rand(n, generator=gen, dtype=torch.float64) + 0.5
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (n, (vocab + 31) // 32), generator=gen, dtype=torch.int32)
+    allowed = mask_bias(bitmask, vocab) == 0
+    allowed[torch.arange(n), torch.randint(0, vocab, (n,), generator=gen)] = True  # at least one token each
+    bitmask = torch.zeros_like(bitmask)  # rebuilt from `allowed`, bit t of word t // 32
+    for row, token in allowed.nonzero().tolist():
+        bitmask[row, token // 32] |= torch.tensor(1 << (token % 32)).to(torch.int32)
+    tokens = torch.multinomial(allowed.double(), 1, generator=gen)[:, 0]  # sampled under the mask
+    index = torch.where(torch.rand(n, generator=gen) < 0.6, torch.arange(n), torch.full((n,), -1))
+    upstream = torch.randn(n, generator=gen, dtype=torch.float64)
+
+    def masked_reference(h, w, tokens, temps):
+        logits = (h @ w.t()) / temps[:, None]
+        logits = torch.where((index[:, None] >= 0) & ~allowed, float("-inf"), logits)
+        log_probs = torch.log_softmax(logits, dim=-1)
+        entropy = -(log_probs.exp() * log_probs.clamp(min=-1e300)).sum(-1)
+        return log_probs.gather(1, tokens[:, None])[:, 0], entropy.detach()
+
+    results = []
+    for fn in (lambda *a: token_logprobs(*a, index, bitmask), masked_reference):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        logp, entropy = fn(h, w, tokens, temps)
+        (logp * upstream).sum().backward()
+        results.append((logp.detach(), entropy, h.grad, w.grad))
+    for got, expected in zip(*results):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), expected.double(), atol=1e-6, rtol=1e-6)

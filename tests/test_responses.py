@@ -33,6 +33,12 @@ CALL = (
 )
 
 
+def choices_made(span) -> int:
+    """Sampled tokens that carry loss: all of them, but those a grammar forced (agl.route.structure)."""
+    allowed = (span.attributes.get("constraint") or {}).get("allowed") or [0] * len(span.response_token_ids)
+    return sum(n != 1 for n in allowed)
+
+
 def request(body):
     req = parse_request(ResponsesRequest, json.dumps(body).encode())
     return req, parse_items(req.input)
@@ -112,7 +118,7 @@ def test_input_items_become_the_chat_conversation():
     ]
     assert req.token_limit == 7 and req.temperature == 0.5 and req.top_p == 1.0 and not req.logprobs
     assert [t.model_dump(exclude_none=True) for t in req.tools] == [
-        {"type": "function", "function": {k: ADD[k] for k in ("name", "description", "parameters")}}
+        {"type": "function", "function": {k: ADD[k] for k in ("name", "description", "parameters", "strict")}}
     ]
     assert req.tool_choice_json == {"type": "function", "function": {"name": "add"}}
 
@@ -536,7 +542,7 @@ def test_tool_call_then_its_output_merge_into_one_sample(served):
         assert "<tool_response>\n3\n</tool_response>" in decode(tok, second.prompt_token_ids[len(exact) :])
         [sample] = spans_to_samples([first, second], reward=1.0)
         assert sample.prompt_ids == first.prompt_token_ids
-        assert sample.num_sampled == len(first.response_token_ids) + len(second.response_token_ids)
+        assert sample.num_sampled == choices_made(first) + choices_made(second)
         assert second.attributes["request"]["responses"]["previous_response_id"] == (
             r.id if how == "previous_response_id" else None
         )
@@ -812,7 +818,7 @@ def test_an_agents_sdk_agent_with_its_default_responses_model(served):
         exact = first.prompt_token_ids + first.response_token_ids
         assert second.prompt_token_ids[: len(exact)] == exact
         [sample] = spans_to_samples(spans, reward=1.0)
-        assert sample.num_sampled == len(first.response_token_ids) + len(second.response_token_ids)
+        assert sample.num_sampled == choices_made(first) + choices_made(second)
         if kwargs:
             assert (
                 second.attributes["request"]["responses"]["previous_response_id"]

@@ -25,6 +25,12 @@ the trainer never changes weights under a running forward pass.
 What is recorded per token is exactly what was sampled: the token id and its log-prob under
 the sampling distribution, ``log_softmax(logits / temperature)`` (raw logits when greedy),
 before any top-p truncation. The trainer recomputes the same quantity.
+
+A sequence with a grammar (``SamplingParams.grammar``, agl.policy.grammar) samples from the masked
+distribution: ``log_softmax(logits / temperature + mask)``, the mask 0 on the tokens its grammar
+allows next and -inf elsewhere, before greedy, top-p and the draw alike; that is the log-prob it
+records, with how many tokens the grammar allowed (``SequenceStream.allowed``: 1 means the token
+was forced). Rows without a grammar pay nothing: no mask is made for them.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from transformers import DynamicCache
 
 from agl.config import EngineConfig
 from agl.policy.decode import decode_step
+from agl.policy.grammar import Grammar, GrammarState, allowed_counts, bitmask_words, mask_bias, policy_grammar_tokenizer
 from agl.policy.kv_cache import add_rows, cache_from_tensors, keep_rows, slot_cache, slot_moves
 from agl.policy.load import Policy
 from agl.policy.sampler_weights import MergedSampler
@@ -59,6 +66,7 @@ class SamplingParams:
     top_logprobs: int = 0  # alternatives per token to return
     stop_token_ids: tuple[int, ...] = ()  # extra stop ids besides the policy's eos ids
     ignore_eos: bool = False  # benchmarks: always sample max_tokens
+    grammar: Grammar | None = None  # the tokens must follow it (agl.policy.grammar); it ends on an eos token
 
 
 @dataclasses.dataclass
@@ -66,6 +74,7 @@ class TokenEvent:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]] | None
+    allowed: int = 0  # with a grammar: how many tokens it allowed here (1: forced); 0 without one
 
 
 _DONE = object()
@@ -81,6 +90,8 @@ class SequenceStream:
         self.token_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[int, float]]] | None = [] if params.top_logprobs else None
+        self.grammar: GrammarState | None = None  # set by the engine for a request with a grammar
+        self.allowed: list[int] = []  # per token, with a grammar: how many tokens it allowed (1: forced)
         self.finish_reason: str | None = None  # "stop" | "length" | "abort" | "error" (the engine step failed)
         self.error: str | None = None  # with "error": what the step raised
         self.policy_version: int | None = None
@@ -106,7 +117,9 @@ class SequenceStream:
             yield event
 
     # -- called by the engine, on the event loop
-    def _push(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None, version: int) -> None:
+    def _push(
+        self, token_id: int, logprob: float, top: list[tuple[int, float]] | None, version: int, allowed: int = 0
+    ) -> None:
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()
             self.policy_version = version
@@ -114,7 +127,9 @@ class SequenceStream:
         self.logprobs.append(logprob)
         if self.top_logprobs is not None:
             self.top_logprobs.append(top or [])
-        self._events.put_nowait(TokenEvent(token_id, logprob, top))
+        if self.grammar is not None:
+            self.allowed.append(allowed)
+        self._events.put_nowait(TokenEvent(token_id, logprob, top, allowed))
 
     def _finish(self, reason: str) -> None:
         if self.finish_reason is None:
@@ -224,6 +239,7 @@ class Engine:
         self._task: asyncio.Task | None = None
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agl-engine")
         self.generator = torch.Generator(device="cpu").manual_seed(0)
+        self._grammar_tokenizer = None  # llguidance's view of the tokenizer, made at the first grammar
         self.stats = {
             "steps": 0,
             "prefill_tokens": 0,
@@ -258,12 +274,18 @@ class Engine:
                 f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
                 f"length ({self.policy.context_length})"
             )
+        if params.grammar is not None and params.ignore_eos:
+            raise ValueError("a grammar ends on an eos token: it cannot be combined with ignore_eos")
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.policy.eos_token_ids)
         )
+        if params.grammar is not None and self._grammar_tokenizer is None:
+            self._grammar_tokenizer = policy_grammar_tokenizer(self.policy)
         seqs = []
         for i in range(n):
             seq = SequenceStream(list(prompt_ids), params, stop_ids)
+            if params.grammar is not None:
+                seq.grammar = GrammarState(params.grammar, self._grammar_tokenizer)
             if params.seed is not None:  # each choice of a seeded request gets its own fixed stream
                 # mix (seed, choice) so seed=1 choice 1 and seed=2 choice 0 do not share a stream
                 seq.generator = torch.Generator(device="cpu").manual_seed(hash((params.seed, i)) & (2**63 - 1))
@@ -322,9 +344,9 @@ class Engine:
             except Exception as error:  # a step that raises fails the sequences in it, not every request after it
                 self._fail_all(admit, error)
                 continue
-            for seq, token, logprob, top in results:
+            for seq, token, logprob, top, allowed in results:
                 if seq.finish_reason is None:
-                    seq._push(token, logprob, top, version)
+                    seq._push(token, logprob, top, version, allowed)
             self._retire_finished()
             self.stats["steps"] += 1
 
@@ -370,7 +392,9 @@ class Engine:
         """``batch`` without its finished rows (the same object if none finished; None if all did)."""
         keep = []
         for i, seq in enumerate(batch.seqs):
-            if seq.cancelled:
+            if seq.error is not None:  # its grammar failed (agl.policy.grammar): this sequence alone ends
+                seq._finish("error")
+            elif seq.cancelled:
                 seq._finish("abort")
             elif seq.token_ids and seq.token_ids[-1] in seq.stop_ids:
                 seq._finish("stop")
@@ -388,7 +412,7 @@ class Engine:
     # ------------------------------------------------------------------ model work (worker thread)
 
     @torch.inference_mode()
-    def _step(self, admit: list[SequenceStream]) -> list[tuple[SequenceStream, int, float, list | None]]:
+    def _step(self, admit: list[SequenceStream]) -> list[tuple[SequenceStream, int, float, list | None, int]]:
         """Decode one token for every running row, then prefill the admitted ones into the batch.
 
         Admitted rows get their first token from their prefill logits, so after this step every
@@ -396,9 +420,11 @@ class Engine:
         """
         results = []
         for seqs, logits, batch in self._forward_passes(admit):
-            tokens, logprobs, tops = self._sample(seqs, logits)
+            tokens, logprobs, tops, allowed = self._sample(seqs, logits)
             batch.last_tokens = tokens
-            results += [(s, int(t), float(lp), top) for s, t, lp, top in zip(seqs, tokens, logprobs, tops)]
+            results += [
+                (s, int(t), float(lp), top, n) for s, t, lp, top, n in zip(seqs, tokens, logprobs, tops, allowed)
+            ]
         return results
 
     def _forward_passes(self, admit: list[SequenceStream]):
@@ -496,12 +522,15 @@ class Engine:
                 shared[i] = torch.rand((), generator=seq.generator, dtype=torch.float64)
         return shared
 
-    def _sample(self, seqs: list[SequenceStream], logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list]:
-        """Sample one token per row with that row's own temperature, top-p and seed (a greedy row,
-        a T=1 row and a T=0.7, top_p=0.9 row in one batch each get their own distribution)."""
+    def _sample(
+        self, seqs: list[SequenceStream], logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, list, list[int]]:
+        """Sample one token per row with that row's own temperature, top-p, seed and grammar (a greedy
+        row, a T=1 row and a T=0.7, top_p=0.9 row in one batch each get their own distribution)."""
         temps = torch.tensor([s.params.temperature for s in seqs])
         greedy = temps <= GREEDY
         scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]  # [B, V]
+        allowed = self._apply_grammars(seqs, scaled)
         logprobs_all = torch.log_softmax(scaled, dim=-1)  # [B, V] the recorded distribution
         tokens = logprobs_all.argmax(-1)
         sample_rows = (~greedy).nonzero().flatten().tolist()
@@ -512,6 +541,9 @@ class Engine:
                 probs = _top_p_filter(probs, top_ps)
             tokens[sample_rows] = draw(probs, self._uniforms([seqs[i] for i in sample_rows]))
         chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
+        for row, seq in enumerate(seqs):
+            if seq.grammar is not None and seq.error is None and not seq.grammar.consume(int(tokens[row])):
+                seq.error = f"the grammar did not accept the sampled token {int(tokens[row])}: {seq.grammar.error}"
         tops = []
         for row, seq in enumerate(seqs):
             k = seq.params.top_logprobs
@@ -520,7 +552,31 @@ class Engine:
                 tops.append(list(zip(ids.tolist(), values.tolist())))
             else:
                 tops.append(None)
-        return tokens, chosen, tops
+        return tokens, chosen, tops, allowed
+
+    def _apply_grammars(self, seqs: list[SequenceStream], scaled_BV: torch.Tensor) -> list[int]:
+        """Mask, in place, the rows whose sequence has a grammar: -inf on the tokens it does not allow
+        next. Returns per row how many tokens were allowed (0 for rows without a grammar)."""
+        rows = [i for i, seq in enumerate(seqs) if seq.grammar is not None and seq.error is None]
+        allowed = [0] * len(seqs)
+        if not rows:
+            return allowed
+        V = scaled_BV.shape[1]
+        bitmask_RW = torch.empty((len(rows), bitmask_words(V)), dtype=torch.int32)
+        for r, i in enumerate(rows):
+            seqs[i].grammar.fill(bitmask_RW[r])
+        counts = allowed_counts(bitmask_RW, V).tolist()
+        for r, i in enumerate(rows):
+            if counts[r] == 0:  # nothing allowed: the grammar is in error; the row samples freely and ends
+                seqs[i].error = f"the grammar allows no token: {seqs[i].grammar.error or 'it is in an error state'}"
+                bitmask_RW[r] = -1
+            allowed[i] = counts[r]
+        bias_RV = mask_bias(bitmask_RW, V)
+        if len(rows) == len(seqs):
+            scaled_BV.add_(bias_RV)
+        else:
+            scaled_BV.index_add_(0, torch.tensor(rows), bias_RV)
+        return allowed
 
 
 def draw(probs_SV: torch.Tensor, uniforms_S: torch.Tensor) -> torch.Tensor:

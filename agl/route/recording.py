@@ -26,6 +26,7 @@ from typing import Any
 
 from agl.config import ServerConfig
 from agl.policy.engine import SequenceStream
+from agl.policy.grammar import Grammar
 from agl.route.output import OutputAssembler
 from agl.route.rendering import History, Turn, decode
 from agl.route.requests import ChatCompletionRequest, CompletionRequest
@@ -61,6 +62,7 @@ class Call:
     forced_ids: list[int] = dataclasses.field(default_factory=list)  # the prompt's last ids: a forced reply start
     forced_text: str = ""  # their text, where the parsed reply begins
     api_request: dict | None = None  # a Responses call: its id, previous_response_id, metadata (recorded)
+    grammar: Grammar | None = None  # the grammar its reply follows (agl.route.structure), if any
     id: str = dataclasses.field(default_factory=lambda: secrets.token_hex(12))
     choices: list[Choice] = dataclasses.field(default_factory=list)
 
@@ -146,6 +148,12 @@ class Recorder:
             if call.kind == "chat":
                 attributes["chat_template"] = call.template
                 attributes["forced_tokens"] = len(call.forced_ids)
+            if call.grammar is not None:  # what the trainer replays to mask its log-probs as the sampler did
+                attributes["constraint"] = {
+                    "kind": call.grammar.kind,
+                    "grammar": call.grammar.text,
+                    "allowed": stream.allowed[: len(out.token_ids)],  # per token: how many it allowed (1: forced)
+                }
             span = Span(
                 rollout_id=rollout_id,
                 attempt_id=attempt_id,
@@ -195,6 +203,10 @@ def _request(call: Call) -> dict:
         "tool_choice": req.tool_choice_json,
         "sampling": sampling,
     }
+    if req.response_format is not None:
+        request["response_format"] = req.response_format.model_dump(by_alias=True, exclude_none=True)
+    if req.parallel_tool_calls is not None:
+        request["parallel_tool_calls"] = req.parallel_tool_calls
     if call.api_request is not None:
         request["responses"] = call.api_request
     return request

@@ -1,8 +1,19 @@
 """The request side of the model route's OpenAI-compatible surface, and its errors.
 
 Requests are validated here so that every bad input becomes a 400 with an OpenAI-style body
-(``{"error": {"message", "type", "param", "code"}}``) instead of reaching the engine. Unknown
-request fields are ignored: the OpenAI SDK and agent frameworks send fields we do not use.
+(``{"error": {"message", "type", "param", "code"}}``) instead of reaching the engine.
+
+No field an agent sends changes the answer without a word. OpenAI's fields are either honoured,
+refused with a 400 when they would change the answer and cannot be honoured (``logit_bias``,
+non-zero ``frequency_penalty`` / ``presence_penalty``, the legacy ``functions`` /
+``function_call``, audio output, ``web_search_options``; ``best_of`` > 1 and ``suffix`` on text
+completions), or ignored because they change nothing here (listed on each request model, and in
+docs/structured-outputs.md). Fields OpenAI does not define are ignored too: SDKs and frameworks
+add their own.
+
+Structure (docs/structured-outputs.md): ``response_format`` (``json_object``, ``json_schema``
+strict or not) and, for tools, ``strict``, ``parallel_tool_calls`` and forced ``tool_choice``
+become a grammar the sampled tokens follow (``agl.route.structure``).
 
 Extensions beyond OpenAI (the same names vLLM uses):
   - ``return_token_ids``: the response carries ``prompt_token_ids`` (top level) and per-choice
@@ -227,6 +238,7 @@ class FunctionDef(_Lenient):
     name: str = Field(min_length=1)
     description: Optional[str] = None
     parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None  # true: the call's arguments follow ``parameters`` (agl.route.structure)
 
 
 class Tool(_Lenient):
@@ -247,6 +259,40 @@ class NamedToolChoice(_Lenient):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(_Lenient):
+    """``response_format.json_schema``: the reply is JSON valid against ``schema`` (strict or not: the
+    route enforces both, see docs/structured-outputs.md)."""
+
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Lenient):
+    """``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {...}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JSONSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _schema_given(self) -> ResponseFormat:
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("'json_schema' is required when type is \"json_schema\"")
+        return self
+
+    @property
+    def schema(self) -> dict | None:
+        """The JSON schema the reply must follow (None: plain text)."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.type == "json_schema":
+            return self.json_schema.json_schema if self.json_schema.json_schema is not None else {}
+        return None
 
 
 GREEDY_BELOW = 1e-4
@@ -279,6 +325,29 @@ class _SamplingRequest(_Lenient):
     # extensions (see module docstring)
     return_token_ids: bool = False
     ignore_eos: bool = False
+    # OpenAI's, refused when they would change the answer (see ``_refuse_unsupported``)
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    logit_bias: Optional[dict[str, Any]] = None
+
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, value: Optional[float]) -> Optional[float]:
+        if value:
+            raise ValueError(
+                "only 0 is supported: a penalty would change the sampling distribution the trainer must reproduce"
+            )
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: Optional[dict]) -> Optional[dict]:
+        if value:
+            raise ValueError(
+                "not supported: it would change the sampling distribution, which the trainer must reproduce "
+                "(for structure, use response_format or tools)"
+            )
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -326,6 +395,15 @@ class _SamplingRequest(_Lenient):
 
 
 class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``.
+
+    Ignored, because they change nothing here: ``user``, ``metadata``, ``store``, ``service_tier``,
+    ``prompt_cache_key``, ``safety_identifier``, ``prediction`` (a speed hint), ``reasoning_effort``
+    and ``verbosity`` (this route runs no reasoning model), ``modalities: ["text"]``. Refused (400):
+    ``logit_bias``, non-zero penalties, ``functions`` / ``function_call`` (use ``tools``), audio
+    output, ``web_search_options``; ``stop`` or ``ignore_eos`` together with a structured reply.
+    """
+
     prompt_param: ClassVar[str] = "messages"
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
@@ -333,6 +411,38 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[bool] = None  # false: at most one call per reply
+    max_tool_calls: Optional[int] = Field(default=None, ge=1)  # the Responses API's, carried over
+    response_format: Optional[ResponseFormat] = None
+    # refused (see the docstring)
+    functions: Optional[list[Any]] = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Optional[list[str]] = None
+    web_search_options: Any = None
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _no_functions(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError(
+                "the legacy 'functions' / 'function_call' are not supported: use 'tools' and 'tool_choice'"
+            )
+        return value
+
+    @field_validator("audio", "modalities")
+    @classmethod
+    def _text_only(cls, value: Any) -> Any:
+        if value is not None and (not isinstance(value, list) or any(m != "text" for m in value)):
+            raise ValueError("audio output is not supported: this model writes text only")
+        return value
+
+    @field_validator("web_search_options")
+    @classmethod
+    def _no_web_search(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("not supported: this route runs no web search")
+        return value
 
     @field_validator("tool_choice", mode="before")
     @classmethod
@@ -388,12 +498,32 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 class CompletionRequest(_SamplingRequest):
-    """A text completion. One prompt per request: a string, token ids, or a one-element list of either."""
+    """A text completion. One prompt per request: a string, token ids, or a one-element list of either.
+
+    Ignored, because they change nothing here: ``user``, ``stream_options`` beyond ``include_usage``.
+    Refused (400): ``echo``, ``best_of`` > 1, ``suffix``, ``logit_bias``, non-zero penalties.
+    """
 
     prompt_param: ClassVar[str] = "prompt"
     prompt: Union[str, list[int], list[str], list[list[int]]]
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
+    best_of: Optional[int] = None  # refused above 1 (use n)
+    suffix: Optional[str] = None  # refused (no insertion)
+
+    @field_validator("best_of")
+    @classmethod
+    def _no_best_of(cls, value: Optional[int]) -> Optional[int]:
+        if value is not None and value != 1:
+            raise ValueError("only 1 is supported: sample 'n' choices and pick among them yourself")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: Optional[str]) -> Optional[str]:
+        if value:
+            raise ValueError("not supported: this route completes prompts, it does not insert text")
+        return value
 
     @field_validator("prompt")
     @classmethod

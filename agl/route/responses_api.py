@@ -143,7 +143,9 @@ class FunctionTool(_Lenient):
     def chat(self) -> Tool:
         return Tool(
             type="function",
-            function=FunctionDef(name=self.name, description=self.description, parameters=self.parameters),
+            function=FunctionDef(
+                name=self.name, description=self.description, parameters=self.parameters, strict=self.strict
+            ),
         )
 
 
@@ -162,11 +164,41 @@ class AllowedToolsChoice(_Lenient):
     tools: list[FunctionChoice] = Field(min_length=1)
 
 
+class TextFormat(_Lenient):
+    """``text.format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema",
+    "name", "schema", "strict", "description"}`` (the chat route's ``response_format``, flattened)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    name: Optional[str] = None
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+    def response_format(self) -> dict:
+        if self.type != "json_schema":
+            return {"type": self.type}
+        if self.json_schema is None:
+            raise bad_request("text.format.schema: a json_schema format needs 'schema'.", param="text.format.schema")
+        spec = {"name": self.name or "response", "schema": self.json_schema, "strict": self.strict}
+        if self.description is not None:
+            spec["description"] = self.description
+        return {"type": "json_schema", "json_schema": spec}
+
+
+class TextOptions(_Lenient):
+    """``text``: its ``format`` is honoured; ``verbosity`` is ignored (no reasoning model here)."""
+
+    format: Optional[TextFormat] = None
+    verbosity: Optional[str] = None
+
+
 class ResponsesRequest(_Lenient):
     """``POST /v1/responses``. Fields OpenAI accepts that change nothing here (``user``,
-    ``reasoning``, ``truncation``, ``prompt_cache_key``, ``service_tier``, ``max_tool_calls``,
-    ``stream_options``, ``text`` ...) are accepted and ignored; ones that would change the
-    answer and cannot be honoured (``background``, ``conversation``, ``prompt``) are a 400."""
+    ``reasoning``, ``truncation``, ``prompt_cache_key``, ``service_tier``, ``safety_identifier``,
+    ``stream_options``, ``text.verbosity`` ...) are accepted and ignored; ones that would change the
+    answer and cannot be honoured (``background``, ``conversation``, ``prompt``) are a 400.
+    ``text.format``, ``parallel_tool_calls`` and ``max_tool_calls`` are honoured (a grammar,
+    agl.route.structure)."""
 
     model: Optional[str] = None
     input: Union[str, list[Any], None] = None  # items are parsed by parse_items (params name their index)
@@ -183,8 +215,8 @@ class ResponsesRequest(_Lenient):
     store: Optional[bool] = True
     previous_response_id: Optional[str] = None
     metadata: Optional[dict[str, str]] = None
-    text: Optional[dict[str, Any]] = None
-    max_tool_calls: Optional[int] = None
+    text: Optional[TextOptions] = None
+    max_tool_calls: Optional[int] = Field(default=None, ge=1)
     truncation: Optional[Literal["auto", "disabled"]] = None
     background: Optional[bool] = None
     conversation: Any = None
@@ -365,7 +397,11 @@ def to_chat_request(req: ResponsesRequest, items: list[Item], first_new: int = 0
         "top_logprobs": req.top_logprobs if req.wants_logprobs else None,
         "tools": [t.chat() for t in tools] or None,
         "tool_choice": choice,
+        "parallel_tool_calls": req.parallel_tool_calls,
+        "max_tool_calls": req.max_tool_calls,
     }
+    if req.text is not None and req.text.format is not None:
+        body["response_format"] = req.text.format.response_format()
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as exc:
@@ -376,9 +412,16 @@ def for_responses(err: APIError) -> APIError:
     """A chat-pipeline error, named in the Responses request's terms."""
     if err.param is None:
         return err
-    renamed = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens"}.get(err.param)
-    if renamed is None and err.param.split(".")[0] == "messages":
+    renamed = {
+        "max_tokens": "max_output_tokens",
+        "max_completion_tokens": "max_output_tokens",
+        "response_format.json_schema.schema": "text.format.schema",
+    }.get(err.param)
+    parts = err.param.split(".")
+    if renamed is None and parts[0] == "messages":
         renamed = "input"
+    if renamed is None and parts[0] == "tools" and parts[2:3] == ["function"]:  # tools.<i>.function.parameters
+        renamed = ".".join(parts[:2] + parts[3:])
     if renamed is None:
         return err
     message = err.message.replace(f"{err.param}: ", f"{renamed}: ", 1)
@@ -431,7 +474,9 @@ def response_object(
         previous_response_id=req.previous_response_id,
         store=req.store is not False,
         temperature=1.0 if req.temperature is None else req.temperature,
-        text=req.text or {"format": {"type": "text"}},
+        text=req.text.model_dump(by_alias=True, exclude_none=True)
+        if req.text is not None and req.text.format is not None
+        else {"format": {"type": "text"}},
         tool_choice=_dump(req.tool_choice) or "auto",
         tools=[tool.model_dump(exclude_none=True) for tool in req.tools or []],
         top_logprobs=req.top_logprobs,

@@ -45,6 +45,11 @@ Choices worth knowing:
     call's identity (``agl.seeding.call_seed``), so what it samples does not depend on
     scheduling; the span records the seed used and where it came from. Unscoped calls
     without a seed draw from the engine's shared generator.
+  - Structured replies (docs/structured-outputs.md): ``response_format`` (``json_object``,
+    ``json_schema``), forced or ``strict`` tool calls and ``parallel_tool_calls: false`` become a
+    grammar (``agl.route.structure``) the engine samples under: every reply that ends by the
+    grammar's own end is valid; one cut by ``max_tokens`` ends with ``finish_reason: "length"``.
+    Its span records the grammar and, per token, how many tokens it allowed (``constraint``).
   - ``/v1/responses`` (OpenAI's Responses API, the Agents SDK's default) is a chat call in
     disguise: ``agl.route.responses_api`` translates the request's items into chat messages, the chat
     path renders, samples, parses tool calls and records (an ``llm.chat`` span whose
@@ -77,7 +82,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agl.config import ServerConfig, typed
 from agl.policy.engine import SamplingParams
-from agl.route import tool_prompt
+from agl.policy.grammar import policy_grammar_tokenizer
+from agl.route import structure, tool_prompt
 from agl.route.output import Delta, OutputAssembler
 from agl.route.recording import Call, Choice, Recorder
 from agl.route.rendering import History, decode, render_prompt, template_messages
@@ -285,6 +291,9 @@ class ModelServer:
         """A chat request rendered to prompt ids (tool prompt, exact prefixes, forced reply start)."""
         use_tools = bool(req.tools) and req.tool_choice != "none"
         tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if use_tools else None
+        grammar = structure.reply_grammar(req, tools, policy_grammar_tokenizer(self.policy))
+        if tools:  # `strict` is the route's business, not the prompt's
+            tools = [{**t, "function": {k: v for k, v in t["function"].items() if k != "strict"}} for t in tools]
         messages = template_messages(req.messages)
         turns = await self.recorder.turns(scope) if scope and req.model not in self.frozen else ()
         template = tool_prompt.MODEL
@@ -312,6 +321,7 @@ class ModelServer:
             template=template,
             forced_ids=forced,
             forced_text=decode(self.policy.tokenizer, forced),
+            grammar=grammar,
         )
 
     async def _completions(self, request: Request) -> Response:
@@ -385,6 +395,7 @@ class ModelServer:
             seed=call.seed,
             top_logprobs=req.n_top_logprobs,
             ignore_eos=req.ignore_eos,
+            grammar=call.grammar,
         )
         streams = engine.submit(call.prompt_ids, params, n=req.n)
         tokenizer = self.policy.tokenizer

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from agl.policy.load import Policy
-from agl.train.logprobs import token_logprobs
+from agl.train.logprobs import masked_logits, token_logprobs
 from agl.train.micro_batches import TokenBatch
 
 
@@ -154,11 +154,19 @@ def completion_logprobs(
     temperature_BT = batch.temperature_B.to(device)[:, None].expand(B, T)
     head = fused_head(policy) if fused else None
     real_BT = batch.completion_attention_BT.to(device).bool()  # padding needs no vocabulary projection
+    # grammar-sampled positions: masked as the sampler masked them (agl.policy.grammar)
+    grammar_BT = batch.grammar_index_BT.to(device) if batch.grammar_index_BT is not None else None
+    bitmask_MW = batch.grammar_bitmask_MW.to(device) if batch.grammar_bitmask_MW is not None else None
     entropy_BT = None
     if head is not None:
         hidden_BTH = _forward(policy, batch, decoder_only=True, prompt=prompt)
         logp_N, entropy_N = token_logprobs(
-            hidden_BTH[real_BT], head.weight, tokens_BT[real_BT], temperature_BT[real_BT]
+            hidden_BTH[real_BT],
+            head.weight,
+            tokens_BT[real_BT],
+            temperature_BT[real_BT],
+            grammar_BT[real_BT] if grammar_BT is not None else None,
+            bitmask_MW,
         )
         logp_BT = torch.zeros((B, T), device=device).masked_scatter(real_BT, logp_N)
         entropy_BT = torch.zeros((B, T), device=device).masked_scatter(real_BT, entropy_N) if with_entropy else None
@@ -168,15 +176,19 @@ def completion_logprobs(
         logits_XV = (
             policy.model.get_base_model().get_output_embeddings()(hidden_NH).float() / temperature_BT[real_BT][:, None]
         )
+        logits_XV = masked_logits(logits_XV, grammar_BT[real_BT] if grammar_BT is not None else None, bitmask_MW)
         tokens_X = tokens_BT[real_BT]
     else:
         logits_XV = _forward(policy, batch, decoder_only=False, prompt=prompt).float() / temperature_BT[..., None]
+        if grammar_BT is not None:
+            flat_NV = logits_XV.reshape(B * T, -1)
+            logits_XV = masked_logits(flat_NV, grammar_BT.reshape(-1), bitmask_MW).view(B, T, -1)
         tokens_X = tokens_BT
     logp_X = logits_XV.gather(-1, tokens_X[..., None])[..., 0] - torch.logsumexp(logits_XV, dim=-1)
     if with_entropy:
         with torch.no_grad():
             log_probs = torch.log_softmax(logits_XV, dim=-1)
-            entropy_BT = -(log_probs.exp() * log_probs).sum(-1)
+            entropy_BT = -(log_probs.exp() * log_probs.clamp(min=torch.finfo(log_probs.dtype).min)).sum(-1)
     if logp_X.dim() == 1:  # real positions only: back to [B, T]
         logp_X = torch.zeros((B, T), device=device).masked_scatter(real_BT, logp_X)
         if entropy_BT is not None:

@@ -4,6 +4,11 @@
 the forward/backward passes in micro-batches and steps the optimizer. The loss itself is in
 ``agl.train.loss`` (pure tensors); this module only batches tokens and accumulates gradients.
 
+Samples sampled under a grammar (structured outputs, agl.route.structure) have their masks rebuilt
+here, by replaying the grammar over the recorded tokens (``grammar_masks``): the update's log-probs
+at those positions are the masked distribution's, as the sampler's were, so the importance ratios
+compare like with like. Forced positions already carry no loss (agl.train.samples).
+
 Left out on purpose: a value model (GRPO has none), and entropy bonuses (rarely help with
 LoRA at this scale; entropy is logged so collapse is visible)."""
 
@@ -19,6 +24,7 @@ import torch
 
 from agl.config import GRPOConfig
 from agl.memory import update_memory
+from agl.policy.grammar import policy_grammar_tokenizer, replay
 from agl.policy.load import Policy
 from agl.train.activation_checkpointing import checkpointed_layers
 from agl.train.forward import SharedPrompt, completion_logprobs, uses_hidden_states
@@ -47,6 +53,18 @@ def advantages(samples: Sequence[Sample], scale: str) -> tuple[list[float], set[
         else:
             adv_by_rollout.update(zip(per_rollout, group_advantages(rewards_G, scale, batch_std=batch_std).tolist()))
     return [adv_by_rollout[s.rollout_id] for s in samples], flat
+
+
+def grammar_masks(samples: Sequence[Sample], policy: Policy) -> list[list[tuple[int, torch.Tensor]]]:
+    """Per sample, (start, bitmask [L, W]) for each of its grammar-sampled spans: the masks the
+    sampler used, rebuilt by replaying each grammar over the recorded tokens (agl.policy.grammar.replay)."""
+    if not any(s.constraints for s in samples):
+        return [[] for _ in samples]
+    tokenizer = policy_grammar_tokenizer(policy)
+    return [
+        [(c.start, replay(c.grammar, s.completion_ids[c.start : c.start + c.length], tokenizer)) for c in s.constraints]
+        for s in samples
+    ]
 
 
 def drop_groups(samples: Sequence[Sample], advs: Sequence[float], groups: set[Any]) -> tuple[list[Sample], list[float]]:
@@ -82,8 +100,17 @@ class GRPOUpdate:
         prompts = [tuple(samples[chunk[0]].prompt_ids) for chunk in chunks]
         cuts = Counter(p for p, chunk in zip(prompts, chunks) if all(tuple(samples[i].prompt_ids) == p for i in chunk))
         parts = [p if cuts[p] > 1 else None for p in prompts]
+        start = time.perf_counter()
+        masks = grammar_masks(samples, policy)
+        replay_s = time.perf_counter() - start
         batches = [
-            TokenBatch.build([samples[i] for i in chunk], pad_id, cfg.mask_truncated, min_shared_rows=1 if part else 2)
+            TokenBatch.build(
+                [samples[i] for i in chunk],
+                pad_id,
+                cfg.mask_truncated,
+                min_shared_rows=1 if part else 2,
+                grammar_masks=[masks[i] for i in chunk],
+            )
             for chunk, part in zip(chunks, parts)
         ]
         first = [part is not None and (i == 0 or parts[i - 1] != part) for i, part in enumerate(parts)]
@@ -113,6 +140,8 @@ class GRPOUpdate:
             return out
 
         timings = defaultdict(float)
+        if replay_s and any(s.constraints for s in samples):
+            timings["grammar_replay_s"] = replay_s
         if cfg.old_logprobs == "recompute":
             start = time.perf_counter()
             for b, old_logp_BT in zip(batches, no_grad_logprobs()):
@@ -173,6 +202,8 @@ class GRPOUpdate:
                         sums[key] += float(stats[key]) * n
                     sums["entropy"] += float((entropy_BT * b.mask_BT).sum())
                     sums["logprob_diff_abs"] += float(((logp_BT.detach() - b.old_logp_BT).abs() * b.mask_BT).sum())
+                    if b.grammar_index_BT is not None:  # sampled tokens whose distribution a grammar masked
+                        sums["constrained_tokens"] += float(((b.grammar_index_BT >= 0) * b.mask_BT).sum())
                 start = time.perf_counter()
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.max_grad_norm))
                 self.optimizer.step()
@@ -185,6 +216,7 @@ class GRPOUpdate:
             "grad_norm": grad_norm if math.isfinite(grad_norm) else float("nan"),
             "train_tokens": sums["tokens"] / cfg.num_iterations,
             "train_input_tokens": sums["input_tokens"] / cfg.num_iterations,  # tokens run through the model
+            "constrained_tokens": sums["constrained_tokens"] / cfg.num_iterations,
             **{
                 k: sums[k] / n_tokens
                 for k in ("clip_ratio_low", "clip_ratio_high", "kl", "ratio_mean", "entropy", "logprob_diff_abs")

@@ -34,6 +34,9 @@ class TokenBatch:
     old_logp_BT: torch.Tensor
     temperature_B: torch.Tensor
     shared_prompt: list[int] | None = None  # set: the shared-prompt layout
+    # grammar-sampled positions (agl.policy.grammar): row of grammar_bitmask_MW per position, -1 elsewhere
+    grammar_index_BT: torch.Tensor | None = None
+    grammar_bitmask_MW: torch.Tensor | None = None
     input_ids_BL: torch.Tensor | None = None  # padded layout only
     attention_mask_BL: torch.Tensor | None = None
 
@@ -45,9 +48,13 @@ class TokenBatch:
         mask_truncated: bool,
         share_prompt: bool = True,
         min_shared_rows: int = 2,
+        grammar_masks: Sequence[Sequence[tuple[int, torch.Tensor]]] | None = None,
     ) -> TokenBatch:
         """The shared-prompt layout when ``share_prompt``, every sample has one prompt and there are
-        at least ``min_shared_rows`` rows (1 for a part of a group cut into micro-batches); else padded."""
+        at least ``min_shared_rows`` rows (1 for a part of a group cut into micro-batches); else padded.
+
+        ``grammar_masks``: per sample, (start, bitmask [L, W]) for each of its grammar-sampled spans
+        (``agl.train.grpo.grammar_masks``): those positions' log-probs are masked as the sampler's were."""
         B, t_max = len(samples), max(len(s.completion_ids) for s in samples)
         completion = torch.full((B, t_max), pad_id, dtype=torch.long)
         completion_attention = torch.zeros((B, t_max), dtype=torch.long)
@@ -62,6 +69,17 @@ class TokenBatch:
             old_logp[i, :t] = torch.tensor(s.logprobs, dtype=torch.float32)
         temperature = torch.tensor([s.temperature for s in samples], dtype=torch.float32)
         batch = cls(completion, completion_attention, mask, old_logp, temperature)
+        if grammar_masks and any(grammar_masks):
+            batch.grammar_index_BT = torch.full((B, t_max), -1, dtype=torch.long)
+            bitmasks, rows = [], 0
+            for i, spans in enumerate(grammar_masks):
+                for start, bitmask_LW in spans:
+                    batch.grammar_index_BT[i, start : start + len(bitmask_LW)] = torch.arange(
+                        rows, rows + len(bitmask_LW)
+                    )
+                    bitmasks.append(bitmask_LW)
+                    rows += len(bitmask_LW)
+            batch.grammar_bitmask_MW = torch.cat(bitmasks)
         if share_prompt and B >= min_shared_rows and all(s.prompt_ids == samples[0].prompt_ids for s in samples):
             batch.shared_prompt = list(samples[0].prompt_ids)
             return batch

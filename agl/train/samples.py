@@ -11,6 +11,11 @@ left out: the policy did not sample them.
 
 Worked example: call 1 prompt [P], response [a b]; call 2 prompt [P a b u], response [c].
 Merged: prompt [P], completion [a b u c], mask [1 1 0 1], logprobs [la lb 0 lc].
+
+A call sampled under a grammar (span attribute ``constraint``, agl.route.structure) recorded
+masked log-probs; its response becomes a ``Constraint`` of the sample, which the update replays
+to mask its own log-probs the same way (agl.policy.grammar.replay). A token the grammar forced
+(it allowed that one token only) carried no choice: mask 0, as the glue between calls.
 """
 
 from __future__ import annotations
@@ -22,6 +27,16 @@ from agl.agents.api import final_reward
 from agl.types import Span
 
 LLM_SPAN_NAMES = ("llm.chat", "llm.completion")
+
+
+@dataclasses.dataclass(frozen=True)
+class Constraint:
+    """Completion tokens ``start .. start + length`` were sampled under ``grammar`` (llguidance's
+    text), which began at ``start``."""
+
+    start: int
+    length: int
+    grammar: str
 
 
 @dataclasses.dataclass
@@ -38,6 +53,7 @@ class Sample:
     temperature: float = 1.0
     policy_versions: tuple[int, ...] = ()
     group: str | None = None  # tasks sharing a group are compared with each other (GRPO)
+    constraints: list[Constraint] = dataclasses.field(default_factory=list)  # grammar-sampled spans
 
     @property
     def num_sampled(self) -> int:
@@ -62,11 +78,18 @@ def spans_to_samples(spans: Sequence[Span], reward: float | None = None, group: 
         truncated = call.attributes.get("finish_reason") == "length"
         version = call.attributes.get("policy_version")
         temperature = sampling_temperature(call)
+        constraint = call.attributes.get("constraint")
+        mask = [1] * len(response)
+        if constraint:  # a forced token (the only one its grammar allowed) is no choice: no loss
+            mask = [0 if allowed == 1 else 1 for allowed in constraint["allowed"]]
         last = samples[-1] if samples else None
         if last is not None and last.temperature == temperature and _extends(prompt, last):
             glue = prompt[len(last.prompt_ids) + len(last.completion_ids) :]
+            if constraint:
+                start = len(last.completion_ids) + len(glue)
+                last.constraints.append(Constraint(start, len(response), constraint["grammar"]))
             last.completion_ids += glue + response
-            last.mask += [0] * len(glue) + [1] * len(response)
+            last.mask += [0] * len(glue) + mask
             last.logprobs += [0.0] * len(glue) + logprobs
             last.truncated = truncated
             last.policy_versions += (version,)
@@ -76,13 +99,14 @@ def spans_to_samples(spans: Sequence[Span], reward: float | None = None, group: 
                 rollout_id=call.rollout_id,
                 prompt_ids=prompt,
                 completion_ids=response,
-                mask=[1] * len(response),
+                mask=mask,
                 logprobs=logprobs,
                 reward=reward,
                 truncated=truncated,
                 temperature=temperature,
                 policy_versions=(version,),
                 group=group,
+                constraints=[Constraint(0, len(response), constraint["grammar"])] if constraint else [],
             )
         )
     return [s for s in samples if s.num_sampled > 0]

@@ -1,0 +1,1 @@
+"""GSM8K answered as JSON under a schema the route enforces: ``{"reasoning": str, "answer": int}``."""
