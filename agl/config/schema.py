@@ -82,6 +82,16 @@ class ServerConfig:
     stored_responses: int = 1024  # Responses API: the last N stored responses kept for previous_response_id and GET
 
 
+@dataclasses.dataclass
+class EvalCacheConfig:
+    """``eval_cache.*``: greedy evals' scores kept per problem across runs and jobs (agl/eval/cache.py)."""
+
+    dir: Optional[str] = None  # null: $AGL_EVAL_CACHE, else $AGL_CACHE/evals, else ~/.cache/agl/evals
+    # any: reuse every row whose key matches | exact: only rows a batch-invariant engine computed (bit-for-bit
+    # replays; a bf16 batched job then recomputes its evals) | off: neither read nor write
+    reuse: str = "any"
+
+
 def client_api_key(server: Any) -> str:
     """The key clients of the route send: ``server.api_key``, or the placeholder when the route checks none."""
     return server.api_key or NO_API_KEY
@@ -105,6 +115,7 @@ class Config:
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    eval_cache: EvalCacheConfig = field(default_factory=EvalCacheConfig)
 
 
 # ----------------------------------------------------------------------------- model
@@ -355,7 +366,8 @@ SCHEMAS: dict[tuple[str | None, str], type] = {
 
 
 SCHEMA_NAMES = {
-    cls.__name__ for cls in (*SCHEMAS.values(), RunnerConfig, EngineConfig, ServerConfig, LoraConfig, TinyConfig)
+    cls.__name__
+    for cls in (*SCHEMAS.values(), RunnerConfig, EngineConfig, ServerConfig, EvalCacheConfig, LoraConfig, TinyConfig)
 }
 
 
