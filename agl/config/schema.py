@@ -181,7 +181,10 @@ class TaskConfig:
     train_split: str = "train"
     eval_split: str = "test"
     eval_size: int = 16  # the first N rows of eval_split; 0 = all
-    final_eval_size: Optional[int] = None  # the baseline and final evals of algo=grpo: null = eval_size, 0 = all
+    # the baseline and final evals of algo=grpo: null = eval_size, 0 = all, else the first eval_size rows and a
+    # choice of the others (seeded by final_eval_seed alone: every run evaluates the same problems) up to this many
+    final_eval_size: Optional[int] = None
+    final_eval_seed: int = 0
     prompt: str = "default"
     prompts: dict[str, Any] = field(
         default_factory=dict

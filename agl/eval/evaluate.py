@@ -11,6 +11,7 @@ Statistics live in ``agl.eval.stats``, table formatting in ``agl.report.tables``
 from __future__ import annotations
 
 import functools
+import random
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -119,6 +120,28 @@ def split_rows(rows: list[dict], size: int | None, distinct: bool = False) -> li
                 unique.append(row)
         rows = unique
     return rows[:size] if size else rows
+
+
+def end_eval_rows(rows: list[dict], eval_size: int, final_size: int | None, seed: int = 0) -> list[dict]:
+    """The baseline's and the final eval's rows (``task.final_eval_size``): the periodic evals' slice (the first
+    ``eval_size``, all when 0) when ``final_size`` is None; the whole split when 0; else that slice and a seeded
+    choice of the other rows up to ``final_size``, in the split's order. The slice comes first, so the periodic
+    evals stay comparable with these; the choice depends on ``seed`` (``task.final_eval_seed``) alone, so every
+    run and every job of a sweep evaluates the same problems (and shares their eval cache rows).
+
+    >>> [r["id"] for r in end_eval_rows([{"id": i} for i in range(10)], 2, 5)]
+    [0, 1, 5, 8, 9]
+    """
+    head = rows[:eval_size] if eval_size else rows
+    if final_size is None:
+        return head
+    if not final_size or final_size >= len(rows):
+        return rows
+    if final_size <= len(head):
+        return head[:final_size]
+    rest = range(len(head), len(rows))
+    chosen = sorted(random.Random(seed).sample(rest, final_size - len(head)))
+    return head + [rows[i] for i in chosen]
 
 
 def sampling_of(algo: Any) -> dict:

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from agl.agents.api import final_reward
 from agl.config import GRPOConfig, typed
-from agl.eval.evaluate import eval_during_training
+from agl.eval.evaluate import end_eval_rows, eval_during_training
 from agl.eval.failures import check_rollouts
 from agl.report.metrics import append_metrics, draw_curves
 from agl.runtime import Runtime, succeeded
@@ -50,9 +50,8 @@ class GRPOTrainer:
         self.train_rows = rt.task.load(task.train_split)
         eval_rows = rt.task.load(task.eval_split)
         self.eval_rows = eval_rows[: task.eval_size] if task.eval_size else eval_rows
-        # the baseline and the final eval: a superset of eval_rows, for the paired test at the end
-        end_size = task.final_eval_size
-        self.end_rows = self.eval_rows if end_size is None else (eval_rows[:end_size] if end_size else eval_rows)
+        # the baseline and the final eval: eval_rows and a seeded choice of the rest, for the paired test at the end
+        self.end_rows = end_eval_rows(eval_rows, task.eval_size, task.final_eval_size, task.final_eval_seed)
         self.cursor = TaskCursor(len(self.train_rows), rt.seed)
         self.update = GRPOUpdate(rt.policy, algo)
         warmup = self.algo.warmup
