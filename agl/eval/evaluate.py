@@ -243,6 +243,14 @@ def describe_cached(counts: dict[str, int], total: int) -> str:
     return f"{sum(counts.values())} of {total} rows from the eval cache: " + ", ".join(parts)
 
 
+def cached_row_count(rt: Any, rows: Sequence[dict], resources: dict, sampling: dict, split: str | None) -> int:
+    """How many of ``rows`` (one try each) the eval cache holds for this eval now (unchecked: a plan's estimate)."""
+    entry = _cache_entry(rt, resources, sampling, split)
+    if entry is None or not entry.readable:
+        return 0
+    return sum(entry.row_path(row_key(split, row, 0)).is_file() for row in rows)
+
+
 def _cache_entry(rt: Any, resources: dict, sampling: dict, split: str | None) -> CacheEntry | None:
     """The eval cache's entry for this eval, or None: no split given, ``eval_cache.reuse=off``, or sampled."""
     config = getattr(rt, "eval_cache_config", None)

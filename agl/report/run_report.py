@@ -287,6 +287,34 @@ def _vs_base_section(rows: list[dict]) -> str | None:
     )
 
 
+def learning_table(rows: list[dict]) -> str | None:
+    """What a training job learned, for the terminal at its end: each 0/1 score of its last eval against the
+    baseline's on the same tasks (the whole end eval, ``eval_all/``, where the periodic ones cover a slice),
+    both with 95% Wilson intervals, the tasks gained and lost, McNemar's exact p."""
+    base = next((r for r in rows if r.get("step") == -1), None)
+    last = next((r for r in reversed(rows) if any(k.endswith("_p") and is_derived(r, k) for k in r)), None)
+    if base is None or last is None:
+        return None
+    keys = sorted(k[:-2] for k in last if k.endswith("_p") and is_derived(last, k))
+    if any(k.startswith("eval_all/") for k in keys):
+        keys = [k for k in keys if k.startswith("eval_all/")]
+    table = [
+        [
+            k.split("/", 1)[1],
+            with_interval(base, k),
+            with_interval(last, k),
+            int(last[f"{k}_gained"]),
+            int(last[f"{k}_lost"]),
+            last[f"{k}_p"],
+        ]
+        for k in keys
+    ]
+    n = int(last.get(keys[0].split("/")[0] + "/n", 0)) if keys else 0
+    return f"base model vs after {last['step'] + 1} steps, the same {n} tasks, greedy:\n\n" + markdown_table(
+        ["score", "base [95% Wilson]", "after [95% Wilson]", "gained", "lost", "McNemar exact p"], table
+    )
+
+
 def _cached_section(cached: list[tuple]) -> str | None:
     """Which evals' rows the eval cache supplied instead of running them, and of which kind (agl/eval/cache.py)."""
     if not cached:
