@@ -18,7 +18,7 @@ from agl.memory import cap_kernel_caches, preload_allocator, release_freed_memor
 
 if __name__ == "__main__":
     try:
-        preload_allocator()  # tcmalloc or jemalloc where installed: this command again, under it (agl/memory.py)
+        preload_allocator()  # tcmalloc, else the mimalloc wheel: this command again, under it (agl/memory.py)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from agl.policy.engine import SamplingParams
 
 PROBE_DECODE_STEPS = 8  # decode steps timed after the prefill's
-PROBE_TRAIN_TOKENS = 1024  # tokens of the timed forward and backward pass
+PROBE_TRAIN_TOKENS = 512  # tokens of the timed forward and backward pass
 
 
 @dataclasses.dataclass
@@ -67,16 +67,16 @@ async def measure_rates(
     vocab = len(rt.policy.tokenizer)
     prompts = [list(prompt_ids) + [(7 + i) % vocab] for i in range(batch)]  # a distinct last token each
 
-    async def decode(max_tokens: int) -> float:
+    async def decode(max_tokens: int, rows: list[list[int]]) -> float:
         begun = time.perf_counter()
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        streams = [s for p in prompts for s in rt.engine.submit(p, params)]
+        streams = [s for p in rows for s in rt.engine.submit(p, params)]
         await asyncio.gather(*(s.wait() for s in streams))
         return time.perf_counter() - begun
 
-    await decode(1)  # the first forward passes compile their kernels: not timed
-    prefill_s = await decode(1)
-    decode_s = await decode(1 + PROBE_DECODE_STEPS)
+    await decode(2, prompts[:2])  # the first forward passes compile their kernels: not timed
+    prefill_s = await decode(1, prompts)
+    decode_s = await decode(1 + PROBE_DECODE_STEPS, prompts)
     prompt_tokens = sum(len(p) for p in prompts)
 
     length = max(8, min(train_length, rt.policy.context_length))
