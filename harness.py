@@ -23,7 +23,7 @@ if ON_CUDA:
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 elif __name__ == "__main__":
     try:
-        preload_allocator()  # tcmalloc or jemalloc where installed: this command again, under it (agl/memory.py)
+        preload_allocator()  # tcmalloc, else the mimalloc wheel: this command again, under it (agl/memory.py)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -20,9 +20,11 @@ no-ops there.
 
 The price of all this is page faults, and an allocator that reuses blocks by size class pays
 neither that price nor glibc's fragmentation. ``preload_allocator`` runs the process again, once,
-with tcmalloc (or jemalloc) loaded in glibc's place, where one is installed (``AGL_ALLOCATOR``);
-the pinning above then does not apply. Measured against pinned and unpinned glibc: BENCHMARKS.md
-"tcmalloc in glibc's place".
+with another malloc loaded in glibc's place (``AGL_ALLOCATOR``): tcmalloc where the system has it
+(``apt-get install libtcmalloc-minimal4``), else mimalloc from its wheel (``cmeel-mimalloc``, an agl
+dependency on Linux, so ``make`` alone gives a fast malloc), else jemalloc where installed; the
+pinning above then does not apply. Measured against pinned and unpinned glibc: BENCHMARKS.md
+"tcmalloc in glibc's place" and "A malloc from pip".
 
 ``cap_kernel_caches`` bounds what the heaps hold for good: the compiled kernels torch's CPU
 matmuls keep per shape (see there).
@@ -48,10 +50,14 @@ from pathlib import Path
 
 from agl.errors import ConfigError
 
-ALLOCATORS = {  # AGL_ALLOCATOR's names -> the libraries ldconfig may know each by, and its Debian/Ubuntu package
-    "tcmalloc": (("tcmalloc_minimal", "tcmalloc"), "libtcmalloc-minimal4"),
-    "jemalloc": (("jemalloc",), "libjemalloc2"),
+ALLOCATORS = {  # AGL_ALLOCATOR's names -> the libraries ldconfig may know each by, and where to get one
+    "tcmalloc": (("tcmalloc_minimal", "tcmalloc"), "apt-get install libtcmalloc-minimal4"),
+    "mimalloc": (("mimalloc",), "pip install cmeel-mimalloc"),
+    "jemalloc": (("jemalloc",), "apt-get install libjemalloc2"),
 }
+# A malloc shipped as a wheel, so that `pip install` (make setup) alone gives one: the distribution, and the glob of
+# its library inside it. cmeel-mimalloc is a dependency of agl on Linux (setup.cfg).
+WHEELS = {"mimalloc": ("cmeel-mimalloc", "cmeel.prefix/lib/libmimalloc.so*")}
 M_MMAP_THRESHOLD = -3  # mallopt parameters, from glibc's malloc.h
 KERNEL_CACHES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")  # oneDNN's primitives; ideep's, around them
 KERNEL_CACHE_CAPACITY = 64  # entries in each (both libraries default to 1024)
@@ -86,8 +92,8 @@ def runs_on_cuda(argv: Sequence[str], environ: dict | None = None, dev: Path = P
 
 
 def allocator_library(choice: str) -> str | None:
-    """The malloc library ``choice`` names: ``tcmalloc`` or ``jemalloc`` (as ldconfig finds it), a
-    path to one, ``auto`` (the first of tcmalloc and jemalloc found, else None) or ``glibc`` (None)."""
+    """The malloc library ``choice`` names: ``tcmalloc``, ``mimalloc`` or ``jemalloc`` (``find_allocator``), a
+    path to one, ``auto`` (the first of ``ALLOCATORS`` found, else None) or ``glibc`` (None)."""
     if choice == "glibc":
         return None
     if os.sep in choice:
@@ -101,21 +107,39 @@ def allocator_library(choice: str) -> str | None:
             if found := find_allocator(name):
                 return found
             if choice == name:
-                raise ConfigError(
-                    f"AGL_ALLOCATOR={name}: no {name} library found (Debian/Ubuntu: apt-get install {package})"
-                )
+                raise ConfigError(f"AGL_ALLOCATOR={name}: no {name} library found (install it: {package})")
     return None
 
 
 def find_allocator(name: str) -> str | None:
-    """The library ldconfig knows ``name`` (a key of ``ALLOCATORS``) by, or None."""
+    """The library ``name`` (a key of ``ALLOCATORS``) is: the one its wheel installed (``WHEELS``), else the one
+    ldconfig knows it by, else None."""
+    if name in WHEELS and (shipped := wheel_library(*WHEELS[name])):
+        return shipped
     return next(filter(None, map(ctypes.util.find_library, ALLOCATORS[name][0])), None)
+
+
+def wheel_library(distribution: str, pattern: str) -> str | None:
+    """The file matching ``pattern`` among the installed ``distribution``'s files (the shortest name: the
+    library's soname link, not a versioned copy), or None where it is not installed."""
+    import importlib.metadata
+
+    try:
+        files = importlib.metadata.files(distribution) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    found = sorted((f for f in files if f.match(pattern)), key=lambda f: len(str(f)))
+    for file in found:
+        path = os.path.realpath(file.locate())
+        if os.path.isfile(path):
+            return path
+    return None
 
 
 def preload_allocator() -> None:
     """Run this process's command again, once, with ``AGL_ALLOCATOR``'s malloc preloaded (default
-    ``auto``: tcmalloc or jemalloc where one is installed, else glibc as it is). Call it first
-    thing: nothing from before survives the exec."""
+    ``auto``: the first of ``ALLOCATORS`` found, else glibc as it is). Call it first thing: nothing
+    from before survives the exec."""
     library = allocator_library(os.environ.get("AGL_ALLOCATOR", "auto"))
     preloaded = os.environ.get("LD_PRELOAD", "")
     if library is None or library in preloaded:  # already preloaded (or the loader refused it: then no loop either)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +30,7 @@ from agl.agents.tasks import Task, load_task
 from agl.config import (
     Config,
     EngineConfig,
+    EvalCacheConfig,
     ModelConfig,
     RunnerConfig,
     ServerConfig,
@@ -58,6 +59,7 @@ class Runtime:
         runner: RunnerConfig | None = None,
         engine: EngineConfig | None = None,
         server: ServerConfig | None = None,
+        eval_cache: EvalCacheConfig | None = None,
         seed: int = 0,
         device: str = "auto",
         progress: bool = True,
@@ -71,6 +73,7 @@ class Runtime:
         self.runner_config = typed(RunnerConfig, runner or RunnerConfig())
         self.engine_config = typed(EngineConfig, engine or EngineConfig())
         self.server_config = typed(ServerConfig, server or ServerConfig())
+        self.eval_cache_config = typed(EvalCacheConfig, eval_cache or EvalCacheConfig())  # agl/eval/cache.py
         self.seed, self.device, self.progress, self.record = seed, device, progress, record
         runner = self.runner_config
         self.processes_n = runner.processes
@@ -106,6 +109,7 @@ class Runtime:
             runner=config.runner,
             engine=config.engine,
             server=config.server,
+            eval_cache=config.eval_cache,
             seed=config.seed,
             device=config.device,
             progress=config.progress,
@@ -216,11 +220,16 @@ class Runtime:
         resources_id: str | None,
         existing: Sequence[Rollout] = (),
         desc: str = "rollouts",
+        finished: Sequence[str | None] | None = None,
+        on_finished: Callable[[list[Rollout]], Awaitable[None]] | None = None,
     ) -> list[Rollout]:
         """Enqueue ``inputs`` (unless ``existing`` already holds them) and wait for all of them.
 
         ``existing`` is how a resumed step reuses the rollouts it had already enqueued: the
-        finished ones are kept as they are, the rest were requeued by the store.
+        finished ones are kept as they are, the rest were requeued by the store. ``finished``
+        (one terminal status or None per input) records the inputs whose outcome is known (an
+        eval cache's rows) instead of queuing them; ``on_finished`` is called with each batch of
+        rollouts as they end (an eval keeps its rows as it goes: agl/eval/cache.py).
         """
         if existing:
             rollouts = list(existing)
@@ -231,16 +240,19 @@ class Runtime:
                 resources_id=resources_id,
                 config=self.rollout_config(),
                 metadata=list(metadata),
+                finished=finished,
             )
         ids = [r.rollout_id for r in rollouts]
         done: dict[str, Rollout] = {}
         with tqdm(total=len(ids), desc=desc, leave=False, dynamic_ncols=True, disable=not self.progress) as bar:
             while len(done) < len(ids):
-                finished = await self.store.wait_for_rollouts([i for i in ids if i not in done], timeout=1.0)
-                for rollout in finished:
+                ended = await self.store.wait_for_rollouts([i for i in ids if i not in done], timeout=1.0)
+                for rollout in ended:
                     done[rollout.rollout_id] = rollout
-                self._collect_after(len(finished))
-                bar.update(len(finished))
+                if ended and on_finished is not None:
+                    await on_finished(ended)
+                self._collect_after(len(ended))
+                bar.update(len(ended))
         return [done[i] for i in ids]
 
     def _collect_after(self, finished: int) -> None:

@@ -111,6 +111,8 @@ PHASE_VARIANTS: dict[str, dict] = {
         "env": {"MALLOC_CONF": "dirty_decay_ms:1000,muzzy_decay_ms:0"},
     },
     "tcmalloc": {"grpo": {}, "sft": {}, "trim": True, "pin": False, "preload": "tcmalloc"},
+    # mimalloc from its wheel (cmeel-mimalloc, an agl dependency: agl.memory.WHEELS), with its own defaults
+    "mimalloc": {"grpo": {}, "sft": {}, "trim": True, "pin": False, "preload": "mimalloc"},
 }
 
 
@@ -455,7 +457,7 @@ def phases_main(args) -> None:
         "runs": runs,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "memory_phases.json").write_text(json.dumps(result, indent=2) + "\n")
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=2) + "\n")
     last = {name: rs[-1] for name, rs in runs.items()}
     lines = [
         "# Resident memory of the default GRPO job, phase by phase",
@@ -509,7 +511,7 @@ def phases_main(args) -> None:
                 f"{run['sft_loss']:.6f} | {run['grpo_loss']:.6f} | {run['grpo_grad_norm']:.6f} |"
             )
         lines.append("")
-    (RESULTS / "memory_phases.md").write_text("\n".join(lines))
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines))
     print("\n".join(lines))
 
 
@@ -526,6 +528,9 @@ def main() -> None:
     parser.add_argument("--phases-child", metavar="VARIANT")
     parser.add_argument("--batch", type=int, default=64, help="--phases: the engine's batch (engine.max_batch_size)")
     parser.add_argument(
+        "--name", default="memory_phases", help="--phases: the results' name (bench/results/<name>.md and .json)"
+    )
+    parser.add_argument(
         "--variants",
         nargs="+",
         choices=list(PHASE_VARIANTS),
@@ -541,7 +546,7 @@ def main() -> None:
         if not getattr(args, name):
             parser.error(
                 f"variant(s) preloading {name} asked for, but no {name} library was found: pass --{name} PATH "
-                f"(Debian: apt-get install {ALLOCATORS[name][1]}, or apt-get download it and dpkg-deb -x it)"
+                f"({ALLOCATORS[name][1]}; a Debian package can also be apt-get download-ed and dpkg-deb -x-ed)"
             )
     args.prompts = args.prompts or (64 if args.phases or args.phases_child else 128)
     if args.phases_child:

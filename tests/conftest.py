@@ -4,6 +4,9 @@ import os
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see harness.py: set before torch loads
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # see harness.py: before cuBLAS starts (CUDA only)
+import atexit
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,11 @@ from store_helpers import FakeClock
 
 from agl.config import register_configs
 from agl.store import SqliteStore
+
+# The eval cache (agl/eval/cache.py) of every test and of every harness a test starts: a directory of this
+# session's, never the user's. Tests that need their own set AGL_EVAL_CACHE or eval_cache.dir themselves.
+os.environ["AGL_EVAL_CACHE"] = tempfile.mkdtemp(prefix="agl-test-evals-")
+atexit.register(shutil.rmtree, os.environ["AGL_EVAL_CACHE"], ignore_errors=True)
 
 register_configs()  # conf/ names the typed schemas (agl/config/schema.py): tests compose it with Hydra's compose API
 

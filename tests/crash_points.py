@@ -7,7 +7,9 @@ with ``AGL_TEST_KILL`` set it patches that process:
   ``update``      dies right after the first GRPO update of this process changed the LoRA
                   in memory, before the policy version moves or anything is saved;
   ``checkpoint``  dies inside the first checkpoint transaction, after its rows are written
-                  and before COMMIT.
+                  and before COMMIT;
+  ``eval_rows:N`` dies right after this process kept its N-th row in the eval cache
+                  (agl/eval/cache.py), the rest of the eval unfinished.
 """
 
 import os
@@ -52,8 +54,19 @@ def _install(point: str) -> None:
         from agl.store.runstate import RunState
 
         _die_after(RunState, "_save_checkpoint_tx")  # inside the transaction: before COMMIT
+    elif point.startswith("eval_rows:"):
+        from agl.eval.cache import CacheEntry
+
+        rows, write = int(point.partition(":")[2]), CacheEntry.write
+
+        def write_then_die(self, *args, **kwargs):
+            write(self, *args, **kwargs)
+            if self.written >= rows:
+                _die()
+
+        CacheEntry.write = write_then_die
     else:
-        raise ValueError(f"AGL_TEST_KILL={point!r}: expected rollout, update or checkpoint")
+        raise ValueError(f"AGL_TEST_KILL={point!r}: expected rollout, update, checkpoint or eval_rows:N")
 
 
 _install(KILL_AT)

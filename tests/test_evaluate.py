@@ -66,7 +66,7 @@ class StoreOnlyRuntime:
     async def resources_id(self, resources: dict) -> str | None:
         return None
 
-    async def run_rollouts(self, inputs, metadata, *, mode, resources_id, existing=(), desc=""):
+    async def run_rollouts(self, inputs, metadata, *, mode, resources_id, existing=(), desc="", on_finished=None):
         from agl.types import Span
 
         self.reused.append([r.rollout_id for r in existing])

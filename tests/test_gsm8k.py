@@ -292,3 +292,27 @@ def test_gsm8k_grpo_runs_its_recipe_and_other_tasks_keep_the_algo_defaults():
     assert (hello["warmup"]["steps"], hello["steps"], hello["eval_every"]) == (0, 30, 15)
     overridden = algo("task=gsm8k", "algo=grpo", "algo.warmup.steps=0", "algo.steps=3")
     assert (overridden["warmup"]["steps"], overridden["steps"]) == (0, 3)
+
+
+def test_the_default_jobs_end_evals_are_a_fixed_seeded_subset_of_the_test_set():
+    """task.final_eval_size=561 (RESULTS.md "How many problems the evals need"): the periodic slice, then a seeded
+    choice spread over the rest of the test set, the same in every run; 0 gives the whole test set."""
+    from pathlib import Path
+
+    from hydra import compose, initialize_config_dir
+
+    from agl.config import to_typed
+    from agl.eval.evaluate import end_eval_rows
+
+    def end_rows(*overrides):
+        with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+            task = to_typed(compose("config", overrides=["task=gsm8k", "algo=grpo", *overrides])).task
+        return end_eval_rows(load_split("test"), task.eval_size, task.final_eval_size, task.final_eval_seed)
+
+    test = load_split("test")
+    rows = end_rows()
+    assert len(rows) == 561 and rows[:100] == test[:100] and rows == end_rows()
+    beyond = [test.index(r) for r in rows[100:]]
+    assert min(beyond) < 200 and max(beyond) > 1200  # spread over the split, not its first 561
+    assert end_rows("task.final_eval_seed=1") != rows
+    assert end_rows("task.final_eval_size=0") == test

@@ -116,9 +116,12 @@ def test_allocator_names_resolve_and_bad_ones_say_what_is_wrong(tmp_path):
         try:
             assert memory.allocator_library(name)
         except memory.ConfigError as error:
-            assert "apt-get install lib" in str(error)
+            assert "install it: apt-get install lib" in str(error)
     found = [memory.allocator_library(name) for name in memory.ALLOCATORS if memory.find_allocator(name)]
-    assert memory.allocator_library("auto") == (found[0] if found else None)  # tcmalloc first, then jemalloc
+    assert memory.allocator_library("auto") == (found[0] if found else None)  # in ALLOCATORS' order
+    # mimalloc ships as a wheel agl depends on (setup.cfg): found inside it, whatever ldconfig knows
+    shipped = memory.find_allocator("mimalloc")
+    assert shipped and "cmeel.prefix" in shipped and os.path.isfile(shipped)
 
 
 PRELOAD_CHILD = """
@@ -140,7 +143,7 @@ def _mapped_path(soname: str) -> str | None:
 
 
 @glibc
-@pytest.mark.parametrize("choice", ["zlib", "tcmalloc", "jemalloc"])
+@pytest.mark.parametrize("choice", ["zlib", "tcmalloc", "mimalloc", "jemalloc"])
 def test_preload_runs_the_command_again_once_under_the_library(choice, tmp_path):
     """The real mechanism (exec with LD_PRELOAD), checked from inside the child: the library is mapped,
     and the command ran twice (the first run exec'd) and no more. zlib, given by its path, stands in
@@ -182,7 +185,7 @@ def test_the_harness_names_a_malloc_it_cannot_find_before_anything_else():
     assert out.returncode == 2
     assert (
         out.stderr.strip()
-        == "error: AGL_ALLOCATOR=tcmalloc2: expected auto, glibc, tcmalloc, jemalloc or a library's path"
+        == "error: AGL_ALLOCATOR=tcmalloc2: expected auto, glibc, tcmalloc, mimalloc, jemalloc or a library's path"
     )
 
 

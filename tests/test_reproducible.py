@@ -55,11 +55,13 @@ def is_cost(name: str) -> bool:
     return name.startswith("time_") or name.endswith(("_s", "_mib")) or name == "prompt_tokens"
 
 
-def harness(*args: str, kill: str = "", device: str = "cpu") -> subprocess.Popen:
+def harness(*args: str, kill: str = "", device: str = "cpu", eval_cache: Path | None = None) -> subprocess.Popen:
     """``harness.py`` on ``device`` (a resumed run keeps the device it was started with: its saved config)."""
     if not any(a.startswith("resume=") for a in args):
         args = (*args, f"device={device}")
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "tests"), "AGL_TEST_KILL": kill}
+    if eval_cache is not None:  # else the session's (tests/conftest.py), which the reference run fills
+        env["AGL_EVAL_CACHE"] = str(eval_cache)
     return subprocess.Popen(
         [sys.executable, "harness.py", *args],
         cwd=ROOT,
@@ -104,16 +106,32 @@ def reference(tmp_path_factory, device) -> Path:
     return run(tmp_path_factory.mktemp("reference") / "run", device)
 
 
+SPANS = (
+    "SELECT rollout_id, attempt_id, sequence_id, name, prompt_token_ids, response_token_ids, response_logprobs "
+    "FROM spans ORDER BY rollout_id, sequence_id"
+)
+
+
 def test_one_seed_gives_one_run(reference, tmp_path, device):
-    again = run(tmp_path / "again", device)
+    again = tmp_path / "again"
+    finish(harness(*RUN, f"hydra.run.dir={again}", device=device, eval_cache=tmp_path / "evals"))  # an empty cache
     assert adapter(again) == adapter(reference)
     assert metrics(again) == metrics(reference)
     # the store too: the same rollouts, ids, tokens and log-probs (stored in arrival order, so sorted)
-    sql = (
-        "SELECT rollout_id, attempt_id, sequence_id, name, prompt_token_ids, response_token_ids, response_logprobs "
-        "FROM spans ORDER BY rollout_id, sequence_id"
-    )
-    assert query(again, sql) == query(reference, sql)
+    assert query(again, SPANS) == query(reference, SPANS)
+
+
+def test_evals_replayed_from_the_cache_change_nothing(reference, tmp_path):
+    """The reference run filled the session's eval cache: the same run again replays every eval from it (the
+    same adapters give the same keys), and trains the same adapter through the same rollouts, ids and tokens."""
+    again = run(tmp_path / "again")
+    assert adapter(again) == adapter(reference)
+    assert metrics(again) == metrics(reference)
+    cached = "SELECT rollout_id FROM rollouts WHERE json_extract(metadata, '$.cached') IS NOT NULL ORDER BY seq"
+    evals = "SELECT rollout_id FROM rollouts WHERE json_extract(metadata, '$.eval_step') IS NOT NULL ORDER BY seq"
+    replayed = {rid for (rid,) in query(again, cached)}
+    assert replayed and query(again, cached) == query(reference, evals)
+    assert query(again, SPANS) == [row for row in query(reference, SPANS) if row[0] not in replayed]
 
 
 def test_another_seed_gives_another_run(reference, tmp_path, device):
@@ -125,10 +143,10 @@ def test_another_seed_gives_another_run(reference, tmp_path, device):
 def test_kill_9_anywhere_changes_nothing(reference, tmp_path, device):
     """Killed at three random moments, then inside a rollout, inside an update and inside a
     checkpoint write, resumed each time: the adapter bytes and metrics of the uninterrupted run."""
-    run_dir = tmp_path / "killed"
+    run_dir, evals = tmp_path / "killed", tmp_path / "evals"  # an empty eval cache: kills may land in the evals
     rng = random.Random(int(os.environ.get("AGL_TEST_KILL_SEED", "0")))
     checkpoints_at_kill = []
-    proc = harness(*RUN, f"hydra.run.dir={run_dir}", device=device)
+    proc = harness(*RUN, f"hydra.run.dir={run_dir}", device=device, eval_cache=evals)
     for point in ("random", "random", "random", "rollout", "update", "checkpoint"):
         if point == "random":
             time.sleep(rng.uniform(2.0, 7.0))
@@ -143,7 +161,7 @@ def test_kill_9_anywhere_changes_nothing(reference, tmp_path, device):
         )
         upcoming = {"random": "", "rollout": "update", "update": "checkpoint", "checkpoint": ""}
         next_point = "rollout" if len(checkpoints_at_kill) == 3 else upcoming[point]
-        proc = harness(f"resume={run_dir}", kill=next_point)
+        proc = harness(f"resume={run_dir}", kill=next_point, eval_cache=evals)
     finish(proc)
 
     assert adapter(run_dir) == adapter(reference), checkpoints_at_kill

@@ -80,11 +80,13 @@ async def test_eval_of_a_saved_adapter_reproduces_the_training_eval(grpo_run, tm
     assert baseline["eval/n"] == final["eval/n"] == 6 and baseline["eval_all/n"] == final["eval_all/n"] == 8
     assert 0 < final["eval_all/said_a_p"] <= 1 and final["eval_all/said_a_base"] == baseline["eval_all/said_a"]
 
-    trained = await run_eval(compose_cfg(VOWELS + ["algo=eval", f"model.adapter={grpo_run}"]), tmp_path / "trained")
+    # computed again (the eval cache would replay the training run's own rows: tests/test_eval_cache.py)
+    recompute = ["algo=eval", "eval_cache.reuse=off"]
+    trained = await run_eval(compose_cfg(VOWELS + recompute + [f"model.adapter={grpo_run}"]), tmp_path / "trained")
     assert trained["tasks"] == 6 and trained["adapter"] == str(grpo_run / "adapter")
     assert trained["summary"]["reward"] == final["eval/reward"]  # exactly: greedy, same adapter
     assert trained["summary"]["turns"] == final["eval/turns"]
-    base = await run_eval(compose_cfg(VOWELS + ["algo=eval"]), tmp_path / "base")
+    base = await run_eval(compose_cfg(VOWELS + recompute), tmp_path / "base")
     assert base["summary"]["reward"] == baseline["eval/reward"]  # and the base model = the baseline eval
     # token for token: the eval job's replies are the training run's final-eval replies
     at_end, at_start = await _replies(grpo_run, eval_step=2), await _replies(grpo_run, eval_step=0)

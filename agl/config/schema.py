@@ -82,6 +82,16 @@ class ServerConfig:
     stored_responses: int = 1024  # Responses API: the last N stored responses kept for previous_response_id and GET
 
 
+@dataclasses.dataclass
+class EvalCacheConfig:
+    """``eval_cache.*``: greedy evals' scores kept per problem across runs and jobs (agl/eval/cache.py)."""
+
+    dir: Optional[str] = None  # null: $AGL_EVAL_CACHE, else $AGL_CACHE/evals, else ~/.cache/agl/evals
+    # any: reuse every row whose key matches | exact: only rows a batch-invariant engine computed (bit-for-bit
+    # replays; a bf16 batched job then recomputes its evals) | off: neither read nor write
+    reuse: str = "any"
+
+
 def client_api_key(server: Any) -> str:
     """The key clients of the route send: ``server.api_key``, or the placeholder when the route checks none."""
     return server.api_key or NO_API_KEY
@@ -105,6 +115,7 @@ class Config:
     runner: RunnerConfig = field(default_factory=RunnerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    eval_cache: EvalCacheConfig = field(default_factory=EvalCacheConfig)
 
 
 # ----------------------------------------------------------------------------- model
@@ -177,7 +188,10 @@ class TaskConfig:
     train_split: str = "train"
     eval_split: str = "test"
     eval_size: int = 16  # the first N rows of eval_split; 0 = all
-    final_eval_size: Optional[int] = None  # the baseline and final evals of algo=grpo: null = eval_size, 0 = all
+    # the baseline and final evals of algo=grpo: null = eval_size, 0 = all, else the first eval_size rows and a
+    # choice of the others (seeded by final_eval_seed alone: every run evaluates the same problems) up to this many
+    final_eval_size: Optional[int] = None
+    final_eval_seed: int = 0
     prompt: str = "default"
     prompts: dict[str, Any] = field(
         default_factory=dict
@@ -362,7 +376,8 @@ SCHEMAS: dict[tuple[str | None, str], type] = {
 
 
 SCHEMA_NAMES = {
-    cls.__name__ for cls in (*SCHEMAS.values(), RunnerConfig, EngineConfig, ServerConfig, LoraConfig, TinyConfig)
+    cls.__name__
+    for cls in (*SCHEMAS.values(), RunnerConfig, EngineConfig, ServerConfig, EvalCacheConfig, LoraConfig, TinyConfig)
 }
 
 

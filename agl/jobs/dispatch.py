@@ -83,7 +83,8 @@ def config_hash(cfg: DictConfig) -> str:
         "run_dir",
         "threads",
         "logger",
-    ):  # run_dir: agl.run's, where Hydra's is not in cfg
+        "eval_cache",
+    ):  # run_dir: agl.run's, where Hydra's is not in cfg; eval_cache: where results are kept, not what runs
         plain.pop(key, None)
     return hashlib.sha1(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:12]
 

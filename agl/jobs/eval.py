@@ -16,7 +16,15 @@ from pathlib import Path
 
 from agl.config import Config, EvalConfig, ModelConfig, typed
 from agl.errors import ConfigError
-from agl.eval.evaluate import evaluate_rows, rate_intervals, sampling_of, split_rows, summarize
+from agl.eval.evaluate import (
+    cached_rows,
+    describe_cached,
+    evaluate_rows,
+    rate_intervals,
+    sampling_of,
+    split_rows,
+    summarize,
+)
 from agl.eval.failures import rollout_failures
 from agl.report.tables import fmt, markdown_table
 from agl.runtime import Runtime
@@ -52,6 +60,7 @@ async def run_eval(config: Config, run_dir: Path) -> dict:
             k=algo.k,
             tag={"eval": "eval"},
             desc=f"eval {algo.split}",
+            split=algo.split,
         )
         summary = summarize(scores, k=algo.k, pass_threshold=algo.pass_threshold)
         failures = await rollout_failures(rt.store, {s["rollout_id"]: s["status"] for s in scores})
@@ -68,6 +77,7 @@ async def run_eval(config: Config, run_dir: Path) -> dict:
         "summary": summary,
         "metrics": {f"eval/{k}": v for k, v in summary.items()},
         "intervals": rate_intervals(scores),
+        "cached": cached_rows(scores),
     }
     text = eval_markdown(result)
     if failures.failed:  # the table counts them as reward 0; say how many and why
@@ -86,6 +96,8 @@ def eval_markdown(result: dict) -> str:
         f"model {result['model']}, adapter {result['adapter']}, prompt `{result['prompt']}`, "
         f"temperature {s['temperature']}, max_tokens {s['max_tokens']}\n"
     )
+    if cached := result.get("cached"):
+        header += f"\n{describe_cached(cached, result['tasks'] * result['k'])}\n"
     intervals = result.get("intervals", {})
     rows = [[k, v, _interval(intervals.get(k))] for k, v in result["summary"].items()]
     return header + "\n" + markdown_table(["metric", "value", "95% interval (Wilson, 0/1 scores)"], rows)

@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 from agl.config import Config
+from agl.jobs.ending import job_ending
 from agl.runtime import Runtime
 from agl.train.grpo_trainer import GRPOTrainer
 
@@ -17,5 +18,5 @@ async def train(config: Config, run_dir: Path) -> dict:
 
 def run(config: Config, run_dir: Path) -> dict:
     result = asyncio.run(train(config, run_dir))
-    print(f"run dir: {run_dir}\nadapter: {result['adapter']}\nresume:  python harness.py resume={run_dir}")
+    print(job_ending(run_dir, config, result["adapter"]))
     return result

@@ -81,6 +81,7 @@ async def run_prompt_search(config: Config, run_dir: Path) -> dict:
                     sampling=sampling,
                     tag={"candidate": name},
                     desc=f"prompt {name}",
+                    split=algo.split,
                 )
                 for name in candidates
             ]

@@ -6,6 +6,7 @@ import asyncio
 from pathlib import Path
 
 from agl.config import Config
+from agl.jobs.ending import job_ending
 from agl.runtime import Runtime
 from agl.train.sft import SFTTrainer
 
@@ -17,8 +18,6 @@ async def train_sft(config: Config, run_dir: Path) -> dict:
 
 def run(config: Config, run_dir: Path) -> dict:
     result = asyncio.run(train_sft(config, run_dir))
-    print(
-        f"run dir: {run_dir}\nadapter: {result['adapter']}\n"
-        f"next:    python harness.py algo=grpo model.adapter={run_dir} ..."
-    )
+    print(job_ending(run_dir, config, result["adapter"]))
+    print(f"next:    python harness.py task={config.task.name} algo=grpo model.adapter={run_dir}    (GRPO from it)")
     return result

@@ -55,6 +55,7 @@ class Policy:
     train_merged: bool = (
         False  # the update runs LoRA linears merged (model.lora.train_merged, agl/train/merged_lora.py)
     )
+    source: str = ""  # where the base weights were loaded from (a local dir or a hub id): the eval cache's key
 
     def render_chat(
         self, messages: Sequence[dict], tools: Sequence[dict] | None = None, add_generation_prompt: bool = True
@@ -239,6 +240,7 @@ def _load_policy(cfg: Any, device: str) -> Policy:
         context_length=int(getattr(base.config, "max_position_embeddings", 2048)),
         name=cfg.name or Path(str(cfg.path)).name,
         train_merged=resolve_train_merged(cfg.lora.train_merged, compute_dtype),
+        source=str(path),
     )
 
 

@@ -28,6 +28,12 @@ from agl.store import db
 SLOWEST = 5
 SAMPLES = 5  # eval tasks whose replies before and after training report.md quotes
 ACCURACY_HINTS = ("correct", "accuracy", "says_", "pass@", "format", "not_last")
+EVAL_NAME = (  # SQL: the eval a rollout belongs to, as the report names it (NULL: not an eval's)
+    "CASE WHEN json_extract(metadata, '$.eval_step') IS NOT NULL THEN 'eval@' || json_extract(metadata, '$.eval_step') "
+    "WHEN json_extract(metadata, '$.eval') IS NOT NULL THEN 'eval ' || json_extract(metadata, '$.eval') "
+    "WHEN json_extract(metadata, '$.candidate') IS NOT NULL THEN 'prompt ' || json_extract(metadata, '$.candidate') "
+    "END"
+)
 HARNESS_ENDS = {  # attempts.metadata.harness_ended -> how the failures table shows them
     "dead": "the harness died (not the agent's failure: rerun, no retry used)",
     "closed": "the harness closed with it in flight (not the agent's failure: rerun, no retry used)",
@@ -55,9 +61,10 @@ def report_run(run_dir: Path, echo: bool = True) -> dict:
         ("best step", _best_section(rows)),
         ("reward and accuracy by step", _by_step_section(rows, data["step_summary"])),
         *([("change against the base model", vs)] if (vs := _vs_base_section(rows)) else []),
+        *([("rows from the eval cache", cached)] if (cached := _cached_section(data["cached"])) else []),
         *(
             [(f"samples: the same eval tasks before and after training (first {SAMPLES})", samples)]
-            if (samples := _samples_section(data["eval_replies"]))
+            if (samples := _samples_section(data["eval_replies"] + data["cached_replies"]))
             else []
         ),
         (f"slowest rollouts (top {SLOWEST})", _slowest_section(data["slowest"])),
@@ -134,6 +141,19 @@ def _read_store(path: Path) -> dict:
                     "AND coalesce(json_extract(s.attributes, '$.trainable'), 1) != 0 "
                     "LEFT JOIN rollout_rewards rr ON rr.rollout_id = r.rollout_id "
                     "WHERE at IS NOT NULL ORDER BY r.seq, s.sequence_id"
+                ),
+                # evals' rows the eval cache supplied (agl/eval/cache.py): no attempt, no span; the reply is kept
+                "cached_replies": q(
+                    "SELECT json_extract(metadata, '$.eval_step') AS at, json_extract(metadata, '$.task_id'), input, "
+                    "json_extract(metadata, '$.cached.reply'), json_extract(metadata, '$.cached.score.reward') "
+                    "FROM rollouts WHERE at IS NOT NULL AND json_extract(metadata, '$.cached') IS NOT NULL ORDER BY seq"
+                ),
+                "cached": q(
+                    f"SELECT {EVAL_NAME} AS ev, count(*), "
+                    "sum(json_extract(metadata, '$.cached.kind') = 'exact'), "
+                    "sum(json_extract(metadata, '$.cached.kind') = 'sample') "
+                    "FROM rollouts WHERE ev IS NOT NULL GROUP BY ev "
+                    "HAVING count(json_extract(metadata, '$.cached')) > 0 ORDER BY min(seq)"
                 ),
             }
             data["checkpoints"] = q("SELECT step, policy_version FROM checkpoints ORDER BY step")
@@ -264,6 +284,46 @@ def _vs_base_section(rows: list[dict]) -> str | None:
     table = [[k, with_interval(last, k), vs_base(last, k)] for k in keys]
     return f"step {last['step']} against the baseline (step -1), same tasks, greedy:\n\n" + markdown_table(
         ["score", "rate [95% Wilson]", "base -> now (tasks gained, lost; McNemar exact p)"], table
+    )
+
+
+def learning_table(rows: list[dict]) -> str | None:
+    """What a training job learned, for the terminal at its end: each 0/1 score of its last eval against the
+    baseline's on the same tasks (the whole end eval, ``eval_all/``, where the periodic ones cover a slice),
+    both with 95% Wilson intervals, the tasks gained and lost, McNemar's exact p."""
+    base = next((r for r in rows if r.get("step") == -1), None)
+    last = next((r for r in reversed(rows) if any(k.endswith("_p") and is_derived(r, k) for k in r)), None)
+    if base is None or last is None:
+        return None
+    keys = sorted(k[:-2] for k in last if k.endswith("_p") and is_derived(last, k))
+    if any(k.startswith("eval_all/") for k in keys):
+        keys = [k for k in keys if k.startswith("eval_all/")]
+    table = [
+        [
+            k.split("/", 1)[1],
+            with_interval(base, k),
+            with_interval(last, k),
+            int(last[f"{k}_gained"]),
+            int(last[f"{k}_lost"]),
+            last[f"{k}_p"],
+        ]
+        for k in keys
+    ]
+    n = int(last.get(keys[0].split("/")[0] + "/n", 0)) if keys else 0
+    return f"base model vs after {last['step'] + 1} steps, the same {n} tasks, greedy:\n\n" + markdown_table(
+        ["score", "base [95% Wilson]", "after [95% Wilson]", "gained", "lost", "McNemar exact p"], table
+    )
+
+
+def _cached_section(cached: list[tuple]) -> str | None:
+    """Which evals' rows the eval cache supplied instead of running them, and of which kind (agl/eval/cache.py)."""
+    if not cached:
+        return None
+    table = [[ev, n, exact or 0, sample or 0, n - (exact or 0) - (sample or 0)] for ev, n, exact, sample in cached]
+    return (
+        "exact: computed by a batch-invariant engine, replayed bit for bit; sample: computed batched (bf16), an "
+        "equally valid sample of the same eval, not its replay (eval_cache.reuse=exact reuses exact rows only)\n\n"
+        + markdown_table(["eval", "rows", "exact from the cache", "sample from the cache", "run here"], table)
     )
 
 

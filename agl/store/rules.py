@@ -10,7 +10,10 @@ Attempt statuses:  preparing | running | succeeded | failed | timeout | unrespon
 R1  Creation. `enqueue_rollout` creates a `queuing` rollout at the back of the FIFO
     queue, with no attempt. `start_rollout` creates the rollout and its attempt 1,
     both `preparing`, outside the queue. A rollout created without `resources_id`
-    takes the id of the latest resources at that moment.
+    takes the id of the latest resources at that moment. `enqueue_rollouts(...,
+    finished=[...])` records a rollout whose outcome is already known (an eval
+    cache's row) in that terminal status, with no attempt and never queued (R5's
+    `end_time` set), numbered in order with the rollouts enqueued beside it.
 
 R2  Dequeue. `dequeue_rollout` takes the queued (`queuing` or `requeuing`) rollout
     that entered the queue first, creates attempt n+1 (`preparing`, owned by the

@@ -312,15 +312,24 @@ class SqliteStore:
         resources_id: Optional[str],
         config: ConfigArg,
         metadata: Union[dict[str, Any], Sequence[dict[str, Any]], None],
+        finished: Optional[Sequence[Optional[RolloutStatus]]] = None,
     ) -> list[Rollout]:
         metas = metadata if isinstance(metadata, (list, tuple)) else [metadata] * len(inputs)
         if len(metas) != len(inputs):
             raise ValueError("metadata must be one dict, or one per input")
+        ends = list(finished) if finished is not None else [None] * len(inputs)
+        if len(ends) != len(inputs):
+            raise ValueError("finished must be one status (or None) per input")
         seq = txn.next_queue_seq(tx)
-        rows = [
-            self._new_rollout_tx(tx, inp, mode, resources_id, config, meta, RolloutStatus.QUEUING, seq + i)
-            for i, (inp, meta) in enumerate(zip(inputs, metas))
-        ]
+        rows = []
+        for i, (inp, meta, end) in enumerate(zip(inputs, metas, ends)):
+            row = self._new_rollout_tx(tx, inp, mode, resources_id, config, meta, RolloutStatus.QUEUING, seq + i)
+            if end is not None:  # R1: recorded finished, never queued
+                if not rules.is_terminal(RolloutStatus(end)):
+                    raise ValueError(f"finished: {end!r} is not a terminal rollout status")
+                txn.set_rollout_status(tx, row.rollout_id, row.status, RolloutStatus(end))
+                row = txn.get_rollout(tx.conn, row.rollout_id)
+            rows.append(row)
         return [row.to_model() for row in rows]
 
     async def enqueue_rollout(
@@ -344,13 +353,16 @@ class SqliteStore:
         resources_id: Optional[str] = None,
         config: ConfigArg = None,
         metadata: Union[dict[str, Any], Sequence[dict[str, Any]], None] = None,
+        finished: Optional[Sequence[Union[RolloutStatus, str, None]]] = None,
     ) -> list[Rollout]:
         """Enqueue many rollouts in one transaction, in order: all of them or none.
 
         This is how a trainer enqueues a step's batch so that a crash never
         leaves half a step in the queue. `metadata` is one dict for all, or one
-        per input."""
-        return await self._db.write(self._enqueue_tx, list(inputs), mode, resources_id, config, metadata)
+        per input. `finished` (one per input) records a rollout whose outcome is
+        already known in that terminal status instead of queuing it (R1): an eval
+        cache's rows take their place and ids among the rollouts run (agl/eval/cache.py)."""
+        return await self._db.write(self._enqueue_tx, list(inputs), mode, resources_id, config, metadata, finished)
 
     def _start_rollout_tx(
         self,

@@ -22,6 +22,7 @@ finished ones as they are; the store requeued the ones the dead process was runn
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from typing import Any
 
@@ -30,15 +31,19 @@ from tqdm.auto import tqdm
 
 from agl.agents.api import final_reward
 from agl.config import GRPOConfig, typed
-from agl.eval.evaluate import eval_during_training
+from agl.eval.evaluate import cached_row_count, end_eval_rows, eval_during_training
 from agl.eval.failures import check_rollouts
 from agl.policy.device import device_memory
 from agl.report.metrics import append_metrics, draw_curves
 from agl.runtime import Runtime, succeeded
 from agl.train.grpo import GRPOUpdate, advantages, drop_groups
+from agl.train.plan import JobPlan, Phase, measure_rates, probe_prompt
 from agl.train.resume import TaskCursor, log_baseline, resume_or_start, save_checkpoint
 from agl.train.samples import spans_to_samples
-from agl.train.sft import SFTStage
+from agl.train.sft import SFTStage, sft_loss_and_backward
+
+# the phases of a GRPO job, as its plan names them (agl/train/plan.py)
+BASELINE, WARMUP, GRPO, EVALS, FINAL = "baseline eval", "SFT warm-up", "GRPO", "evals", "final eval"
 
 
 class GRPOTrainer:
@@ -51,9 +56,8 @@ class GRPOTrainer:
         self.train_rows = rt.task.load(task.train_split)
         eval_rows = rt.task.load(task.eval_split)
         self.eval_rows = eval_rows[: task.eval_size] if task.eval_size else eval_rows
-        # the baseline and the final eval: a superset of eval_rows, for the paired test at the end
-        end_size = task.final_eval_size
-        self.end_rows = self.eval_rows if end_size is None else (eval_rows[:end_size] if end_size else eval_rows)
+        # the baseline and the final eval: eval_rows and a seeded choice of the rest, for the paired test at the end
+        self.end_rows = end_eval_rows(eval_rows, task.eval_size, task.final_eval_size, task.final_eval_seed)
         self.cursor = TaskCursor(len(self.train_rows), rt.seed)
         self.update = GRPOUpdate(rt.policy, algo)
         warmup = self.algo.warmup
@@ -61,21 +65,106 @@ class GRPOTrainer:
         self.warmup_steps = self.warmup.steps if self.warmup else 0
         self.total_steps = self.warmup_steps + self.algo.steps
         self.step = 0  # warm-up steps first, then GRPO's
+        self.plan = JobPlan([], None)  # restore() makes the real one
 
     # ------------------------------------------------------------------ state
 
     async def restore(self) -> bool:
-        """Load the last checkpoint, if any. True when resuming; a fresh run evaluates a baseline."""
+        """Load the last checkpoint, if any, and say what is left to do (``agl.train.plan``). True when
+        resuming; a fresh run evaluates a baseline."""
         checkpoint = await resume_or_start(self.rt, self._optimizer_for)
         if checkpoint is None:
+            self.plan = await self._plan(fresh=True)
+            self.plan.begin(BASELINE)
             if baseline := await self._eval_if_due(step=0):
                 await log_baseline(self.rt, baseline)
+            self.plan.tick(BASELINE)
             return False
         self.cursor = TaskCursor(len(self.train_rows), self.rt.seed, **checkpoint.state["cursor"])
         if self.warmup and "sft_cursor" in checkpoint.state:
             self.warmup.restore_cursor(checkpoint.state["sft_cursor"])
         self.step = checkpoint.step + 1
+        self.plan = await self._plan(fresh=False)
         return True
+
+    def _due(self, step: int) -> bool:
+        """An eval runs after ``step`` updates: the baseline, every ``eval_every``, the warm-up's end, the last."""
+        every = self.algo.eval_every
+        warmed_up = self.warmup_steps and step == self.warmup_steps  # what the warm-up alone did
+        return step == 0 or bool(every and step % every == 0) or step == self.total_steps or bool(warmed_up)
+
+    async def _plan(self, fresh: bool) -> JobPlan:
+        """This job's remaining phases with their estimates, from rates measured now; printed."""
+        rt, algo, task = self.rt, self.algo, self.rt.task_config
+        prompt_ids = probe_prompt(rt, self.end_rows, task.prompt)
+        tokens = algo.max_tokens
+        train_length = len(prompt_ids) + tokens
+        backward = functools.partial(sft_loss_and_backward, gradient_checkpointing=algo.gradient_checkpointing)
+        rates = await measure_rates(rt, prompt_ids, rt.runner_config.n or 1, train_length, backward)
+        sampling = {"temperature": 0.0, "max_tokens": tokens}
+        resources = rt.task.resources_for(task.prompt)
+        cached = cached_row_count(rt, self.end_rows, resources, sampling, task.eval_split) if fresh else 0
+        n_end, n_slice, p = len(self.end_rows), len(self.eval_rows), len(prompt_ids)
+        warmup_left = max(0, self.warmup_steps - self.step)
+        grpo_left = self.algo.steps - max(0, self.step - self.warmup_steps)
+        periodic = sum(self._due(s) for s in range(self.step + 1, self.total_steps))
+        phases = [
+            Phase(
+                BASELINE,
+                f"{n_end} problems" + (f" ({cached} from the eval cache)" if cached else ""),
+                rates.eval_s(n_end - cached, p, tokens),
+                bound=True,
+                units=int(fresh and n_end > 0),
+            )
+        ]
+        if self.warmup:
+            demos = [self.warmup.example(i) for i in range(min(16, len(self.warmup.demos)))]
+            mean_length = sum(len(ids) for ids, _ in demos) / len(demos)
+            step_s = self.warmup.sft_cfg.batch_size * mean_length * rates.train_s_per_token
+            phases.append(
+                Phase(
+                    WARMUP,
+                    f"{warmup_left} steps x {self.warmup.sft_cfg.batch_size} demonstrations",
+                    warmup_left * step_s,
+                    units=warmup_left,
+                )
+            )
+        rollouts = algo.batch_size * algo.group_size
+        sample_s = (
+            algo.batch_size * p * rates.prefill_s_per_token
+            + rollouts * tokens / max(1, min(rates.batch, rollouts)) * rates.decode_step_s
+        )
+        update_s = rollouts * train_length * rates.train_s_per_token * algo.num_iterations * (1 + (algo.beta > 0) / 3)
+        phases.append(
+            Phase(
+                GRPO,
+                f"{grpo_left} steps x {rollouts} rollouts",
+                grpo_left * (sample_s + update_s),
+                bound=True,
+                units=grpo_left,
+            )
+        )
+        phases.append(
+            Phase(
+                EVALS,
+                f"{periodic} x {n_slice} problems",
+                periodic * rates.eval_s(n_slice, p, tokens),
+                bound=True,
+                units=periodic,
+            )
+        )
+        phases.append(
+            Phase(
+                FINAL,
+                f"{n_end} problems",
+                rates.eval_s(n_end, p, tokens),
+                bound=True,
+                units=int(self.step < self.total_steps and n_end > 0),
+            )
+        )
+        plan = JobPlan(phases, rates)
+        plan.announce()
+        return plan
 
     def _optimizer_for(self, state: dict) -> torch.optim.Optimizer:
         """The optimizer a checkpoint saved: the warm-up's until GRPO has taken a step."""
@@ -94,6 +183,7 @@ class GRPOTrainer:
         ) as bar:
             while self.step < self.total_steps:
                 stage = "sft" if self.step < self.warmup_steps else "grpo"
+                self.plan.begin(WARMUP if stage == "sft" else GRPO)
                 if stage == "sft":
                     metrics = await self.warmup.train_step(self.step)
                     metrics["sft_loss"] = metrics.pop("loss")  # a likelihood, not GRPO's surrogate: its own curve
@@ -102,6 +192,7 @@ class GRPOTrainer:
                     metrics = await self.train_step()
                     optimizer = self.update.optimizer
                 metrics["stage"] = stage
+                self.plan.tick(WARMUP if stage == "sft" else GRPO)
                 metrics.update(await self._eval_if_due(self.step + 1))
                 await save_checkpoint(self.rt, self.step, self._state(stage), optimizer, metrics)
                 append_metrics(self.run_dir, metrics)
@@ -187,13 +278,16 @@ class GRPOTrainer:
         }
 
     async def _eval_if_due(self, step: int) -> dict:
-        every = self.algo.eval_every
-        warmed_up = self.warmup_steps and step == self.warmup_steps  # what the warm-up alone did
-        due = step == 0 or (every and step % every == 0) or step == self.total_steps or warmed_up
-        if not due:
+        if not self._due(step):
             return {}
         end = step in (0, self.total_steps)
         rows = self.end_rows if end else self.eval_rows
-        return await eval_during_training(
+        phase = BASELINE if step == 0 else FINAL if end else EVALS
+        if step:  # the baseline's phase is timed around its logging too (restore)
+            self.plan.begin(phase)
+        metrics = await eval_during_training(
             self.rt, rows, step, self.algo.max_tokens, slice_size=len(self.eval_rows) if end else 0
         )
+        if step:
+            self.plan.tick(phase)
+        return metrics

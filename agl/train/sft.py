@@ -17,6 +17,7 @@ with ``model.adapter=<run dir>`` (SFT, then GRPO).
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import math
 import time
@@ -34,6 +35,7 @@ from agl.policy.device import device_memory
 from agl.report.metrics import append_metrics, draw_curves, metrics_path
 from agl.runtime import Runtime
 from agl.train.micro_batches import sft_micro_batches
+from agl.train.plan import JobPlan, Phase, measure_rates, probe_prompt
 from agl.train.resume import TaskCursor, log_baseline, resume_or_start, save_checkpoint
 
 
@@ -236,19 +238,53 @@ class SFTTrainer:
         self.step = checkpoint.step + 1
         return True
 
+    async def _plan(self, fresh: bool) -> JobPlan:
+        """This job's remaining phases with their estimates, from rates measured now; printed (agl/train/plan.py)."""
+        rt, sft_cfg, tokens = self.rt, self.algo, self.algo.max_tokens
+        demos = [self.stage.example(i) for i in range(min(16, len(self.stage.demos)))]
+        mean_length = sum(len(ids) for ids, _ in demos) / len(demos)
+        prompt_ids = probe_prompt(rt, self.eval_rows, rt.task_config.prompt)
+        backward = functools.partial(sft_loss_and_backward, gradient_checkpointing=sft_cfg.gradient_checkpointing)
+        rates = await measure_rates(rt, prompt_ids, rt.runner_config.n or 1, int(mean_length), backward)
+        n, p, left = len(self.eval_rows), len(prompt_ids), self.steps - self.step
+        evals = sum(self._due(s) for s in range(self.step + 1, self.steps + 1)) if n else 0
+        step_s = sft_cfg.batch_size * mean_length * rates.train_s_per_token
+        plan = JobPlan(
+            [
+                Phase(
+                    "baseline eval", f"{n} problems", rates.eval_s(n, p, tokens), bound=True, units=int(fresh and n > 0)
+                ),
+                Phase("SFT", f"{left} steps x {sft_cfg.batch_size} demonstrations", left * step_s, units=left),
+                Phase("evals", f"{evals} x {n} problems", evals * rates.eval_s(n, p, tokens), bound=True, units=evals),
+            ],
+            rates,
+        )
+        plan.announce()
+        return plan
+
+    def _due(self, done: int) -> bool:
+        every = self.algo.eval_every
+        return done == self.steps or bool(every and done % every == 0)
+
     async def train(self) -> dict:
         resumed = await self.restore()
+        plan = await self._plan(fresh=not resumed)
         if not resumed and self.eval_rows:
+            plan.begin("baseline eval")
             await log_baseline(self.rt, await eval_during_training(self.rt, self.eval_rows, 0, self.algo.max_tokens))
+            plan.tick("baseline eval")
         with tqdm(
             total=self.steps, initial=self.step, desc="sft", dynamic_ncols=True, disable=not self.rt.progress
         ) as bar:
             while self.step < self.steps:
+                plan.begin("SFT")
                 metrics = await self.stage.train_step(self.step)
+                plan.tick("SFT")
                 done = self.step + 1
-                every = self.algo.eval_every
-                if done == self.steps or (every and done % every == 0):
+                if self.eval_rows and self._due(done):
+                    plan.begin("evals")
                     metrics.update(await eval_during_training(self.rt, self.eval_rows, done, self.algo.max_tokens))
+                    plan.tick("evals")
                 await save_checkpoint(
                     self.rt, self.step, {"cursor": self.stage.cursor.state()}, self.stage.optimizer, metrics
                 )

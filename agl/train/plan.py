@@ -1,0 +1,186 @@
+"""What a training job is about to do, and how long each part should take on this machine.
+
+At its start a job prints its phases (the baseline eval, the SFT warm-up, GRPO's steps, the evals, the
+final eval) with an estimate of each, from rates measured here in a few seconds (``measure_rates``): the
+engine prefilling and decoding a batch as wide as the job's runners keep it, and one forward and backward
+pass of the policy over a few sequences as long as the job's. As each phase ends it prints one line with
+its time next to the estimate, so a user knows early whether the job fits their patience.
+
+The estimates are upper bounds where the work varies: an eval or a GRPO step is priced at ``max_tokens``
+per problem and one agent call per problem (GSM8K's base model answers run to 242 of 256 tokens; a trained
+one's stop near 80, so its final eval takes about a third of its bound). Rows the eval cache holds cost
+nothing. Left out: the time to load the model and start the route (before the plan), the cost of a
+multi-turn agent's further calls, and the first matmuls' kernel compilation (the probe pays it, once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from agl.policy.engine import SamplingParams
+
+PROBE_DECODE_STEPS = 8  # decode steps timed after the prefill's
+PROBE_TRAIN_TOKENS = 512  # tokens of the timed forward and backward pass
+
+
+@dataclasses.dataclass
+class Rates:
+    """What the probe measured on this machine, with this policy."""
+
+    batch: int  # rows decoded together (the job's concurrent rollouts, up to the engine's batch)
+    prefill_s_per_token: float
+    decode_step_s: float  # one decode step of ``batch`` rows
+    train_s_per_token: float  # forward + backward pass of the policy, per token
+    probe_s: float  # what measuring them took
+
+    def eval_s(self, problems: int, prompt_tokens: int, max_tokens: int) -> float:
+        """At most: every problem one call, its prompt prefilled and ``max_tokens`` decoded."""
+        steps = problems * max_tokens / max(1, min(self.batch, problems))
+        return problems * prompt_tokens * self.prefill_s_per_token + steps * self.decode_step_s
+
+    def describe(self) -> str:
+        return (
+            f"decode {self.batch} rows {self.decode_step_s * 1e3:.0f} ms/step, "
+            f"prefill {self.prefill_s_per_token * 1e3:.2f} ms/token, "
+            f"update {self.train_s_per_token * 1e3:.2f} ms/token; measured in {self.probe_s:.1f} s"
+        )
+
+
+async def measure_rates(
+    rt: Any, prompt_ids: Sequence[int], batch: int, train_length: int, backward: Callable[..., Any]
+) -> Rates:
+    """Time the engine on ``batch`` prompts like ``prompt_ids`` (greedy, distinct, so none share a prefill),
+    and ``backward(policy, examples, micro_batch_size)`` (the SFT loss's forward and backward pass,
+    ``agl.train.sft.sft_loss_and_backward`` with the job's checkpointing) on sequences of ``train_length``
+    tokens. Neither changes anything the job computes: the engine's greedy rows draw no random numbers, the
+    pass's gradients are dropped, and torch's random state is put back."""
+    started = time.perf_counter()
+    batch = max(1, min(batch, rt.engine.max_batch_size))
+    vocab = len(rt.policy.tokenizer)
+    prompts = [list(prompt_ids) + [(7 + i) % vocab] for i in range(batch)]  # a distinct last token each
+
+    async def decode(max_tokens: int, rows: list[list[int]]) -> float:
+        begun = time.perf_counter()
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        streams = [s for p in rows for s in rt.engine.submit(p, params)]
+        await asyncio.gather(*(s.wait() for s in streams))
+        return time.perf_counter() - begun
+
+    await decode(2, prompts[:2])  # the first forward passes compile their kernels: not timed
+    prefill_s = await decode(1, prompts)
+    decode_s = await decode(1 + PROBE_DECODE_STEPS, prompts)
+    prompt_tokens = sum(len(p) for p in prompts)
+
+    length = max(8, min(train_length, rt.policy.context_length))
+    rows = max(1, PROBE_TRAIN_TOKENS // length)
+    ids = (list(prompt_ids) * (length // max(1, len(prompt_ids)) + 1))[:length]
+    examples = [(ids, [0] * (length // 2) + [1] * (length - length // 2)) for _ in range(rows)]
+
+    def train_pass() -> float:
+        with torch.random.fork_rng(devices=[]):
+            policy = rt.policy
+            policy.model.train()
+            try:
+                backward(policy, [(ids[:16], [0] * 8 + [1] * 8)], 1)  # the first pass compiles kernels: not timed
+                begun = time.perf_counter()
+                backward(policy, examples, rows)
+                return time.perf_counter() - begun
+            finally:
+                for p in policy.trainable_parameters():
+                    p.grad = None
+                policy.model.eval()
+
+    async with rt.engine.paused():
+        train_s = await asyncio.to_thread(train_pass)
+    return Rates(
+        batch=batch,
+        prefill_s_per_token=prefill_s / prompt_tokens,
+        decode_step_s=max(0.0, decode_s - prefill_s) / PROBE_DECODE_STEPS,
+        train_s_per_token=train_s / (rows * length),
+        probe_s=time.perf_counter() - started,
+    )
+
+
+def probe_prompt(rt: Any, rows: Sequence[dict], prompt: str) -> list[int]:
+    """Token ids of a prompt like the job's: its first eval row through the task's template where the row
+    fills it, else the template alone."""
+    template = rt.task.resources_for(prompt).get("prompt_template") or "{question}"
+    row = rows[0] if rows else {}
+    try:
+        text = template.format(**row)
+    except (KeyError, IndexError, ValueError):
+        text = template
+    return rt.policy.render_chat([{"role": "user", "content": text}])
+
+
+def duration(seconds: float | None) -> str:
+    """``1 h 02 min``, ``4 min 05 s``, ``12.3 s``.
+
+    >>> duration(3725), duration(245), duration(12.34), duration(None)
+    ('1 h 02 min', '4 min 05 s', '12.3 s', '?')
+    """
+    if seconds is None or math.isnan(seconds):
+        return "?"
+    if seconds >= 3600:
+        return f"{int(seconds // 3600)} h {int(seconds % 3600 // 60):02d} min"
+    if seconds >= 60:
+        return f"{int(seconds // 60)} min {int(seconds % 60):02d} s"
+    return f"{seconds:.1f} s"
+
+
+@dataclasses.dataclass
+class Phase:
+    name: str
+    what: str  # its size, in words
+    estimate_s: float | None
+    bound: bool = False  # the estimate is an upper bound (priced at max_tokens)
+    units: int = 1  # how many times ``tick`` ends it (evals of a group, steps)
+    done: int = 0
+    elapsed_s: float = 0.0
+
+
+class JobPlan:
+    """A job's phases: printed with their estimates at the start, one line each as they end."""
+
+    def __init__(self, phases: Sequence[Phase], rates: Rates | None, echo: Any = None):
+        self.phases = [p for p in phases if p.units > 0]
+        self.rates = rates
+        self.echo = echo or tqdm.write  # under the progress bars, not through them
+        self._started: dict[str, float] = {}
+
+    def announce(self) -> None:
+        total = sum(p.estimate_s or 0.0 for p in self.phases)
+        lines = ["plan" + (f" (rates measured here: {self.rates.describe()}):" if self.rates else ":")]
+        width = max((len(p.name) for p in self.phases), default=0)
+        what = max((len(p.what) for p in self.phases), default=0)
+        for i, phase in enumerate(self.phases, 1):
+            estimate = ("<= " if phase.bound else "~") + duration(phase.estimate_s)
+            lines.append(f"  {i}. {phase.name:<{width}}  {phase.what:<{what}}  {estimate}")
+        lines.append(f"  total <= {duration(total)} (the evals' bounds assume every answer runs to max_tokens)")
+        self.echo("\n".join(lines))
+
+    def begin(self, name: str) -> None:
+        self._started[name] = time.perf_counter()
+
+    def tick(self, name: str) -> None:
+        """One unit of phase ``name`` ended (begun with ``begin``); its last prints the phase's line."""
+        phase = next((p for p in self.phases if p.name == name), None)
+        started = self._started.pop(name, None)
+        if phase is None or started is None:
+            return
+        phase.elapsed_s += time.perf_counter() - started
+        phase.done += 1
+        if phase.done == phase.units:
+            index = self.phases.index(phase) + 1
+            self.echo(
+                f"phase {index} of {len(self.phases)} done, {phase.name}: {duration(phase.elapsed_s)} "
+                f"(estimated {'<= ' if phase.bound else '~'}{duration(phase.estimate_s)})"
+            )

@@ -1,0 +1,75 @@
+"""A training job says what is coming (agl/train/plan.py) and, at its end, what it learned (agl/jobs/ending.py)."""
+
+import functools
+import random
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from agl.config import to_typed
+from agl.jobs import grpo
+from agl.runtime import Runtime
+from agl.train.plan import measure_rates, probe_prompt
+from agl.train.sft import sft_loss_and_backward
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = [
+    "model=tiny",
+    "progress=false",
+    "runner.n=8",
+    "task=hello",
+    "task.agent=e2e_agents:multi_turn_agent",
+    "task.data=e2e_agents:load",
+    "task.max_tokens=6",
+    "+task.resources.max_turns=2",
+    "task.eval_size=4",
+    "task.final_eval_size=6",
+    "algo=grpo",
+    "algo.steps=2",
+    "algo.batch_size=2",
+    "algo.group_size=4",
+    "algo.micro_batch_size=4",
+    "algo.lr=3e-2",
+    "algo.eval_every=1",
+    "algo.warmup.steps=1",
+    "algo.warmup.batch_size=4",
+]
+
+
+def compose_cfg(overrides):
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
+        return to_typed(compose("config", overrides=overrides))
+
+
+def test_a_job_prints_its_plan_each_phase_as_it_ends_and_what_it_learned(tmp_path, capsys):
+    grpo.run(compose_cfg(RUN), tmp_path)
+    out = capsys.readouterr().out
+    plan = out[out.index("plan (rates measured here") :]
+    for i, phase in enumerate(["baseline eval", "SFT warm-up", "GRPO", "evals", "final eval"], 1):
+        assert f"  {i}. {phase}" in plan
+        assert f"phase {i} of 5 done, {phase}: " in out, out
+    assert "2 x 4 problems" in plan  # after the warm-up (step 1) and after step 2 of 3; the final eval apart
+    assert "base model vs after 3 steps, the same 6 tasks" in out, out[-2500:]
+    table = out[out.index("base model vs after 3 steps") :]
+    assert "| said_a |" in table and "McNemar exact p" in table
+    for line in (f"report:  {tmp_path / 'report.md'}", f"resume:  python harness.py resume={tmp_path}"):
+        assert line in out
+    assert (tmp_path / "report.md").is_file() and (tmp_path / "curves.png").is_file()
+
+
+async def test_measuring_the_rates_changes_nothing_the_job_computes(tmp_path):
+    cfg = compose_cfg(RUN)
+    async with Runtime.of(cfg, tmp_path) as rt:
+        lora = {n: p.detach().clone() for n, p in rt.policy.model.named_parameters() if p.requires_grad}
+        states = (torch.get_rng_state(), random.getstate(), rt.engine.generator.get_state())
+        prompt = probe_prompt(rt, rt.task.load("test"), cfg.task.prompt)
+        backward = functools.partial(sft_loss_and_backward, gradient_checkpointing=True)
+        rates = await measure_rates(rt, prompt, 8, len(prompt) + 6, backward)
+        assert rates.decode_step_s > 0 and rates.train_s_per_token > 0 and rates.batch == 8
+        assert torch.equal(states[0], torch.get_rng_state()) and states[1] == random.getstate()
+        assert torch.equal(states[2], rt.engine.generator.get_state())
+        for name, param in rt.policy.model.named_parameters():
+            if param.requires_grad:
+                assert torch.equal(param, lora[name]) and param.grad is None
+        assert not rt.policy.model.training

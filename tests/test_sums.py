@@ -1,0 +1,34 @@
+"""The first-run task (tasks/sums): its splits, its answers, its demonstrations and its recipe."""
+
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from agl.config import to_typed
+from tasks.sums.agent import bare_answer, demonstrations, load
+
+
+def test_the_splits_are_every_pair_once_and_the_answers_are_sums():
+    train, test = load("train"), load("test")
+    assert (len(train), len(test)) == (700, 200)
+    assert not {r["id"] for r in train} & {r["id"] for r in test}
+    for row in train + test:
+        a, b = (int(x) for x in row["question"].removeprefix("What is ").removesuffix("?").split(" + "))
+        assert row["answer"] == a + b
+    assert load("test") == test  # seeded: the same problems in every run (and eval cache rows)
+
+
+def test_a_demonstration_replies_with_what_the_reward_takes():
+    prompt = "{question} Reply with the number only."
+    for conversation, row in zip(demonstrations("train", prompt_template=prompt), load("train")):
+        assert conversation[0]["content"] == prompt.format(question=row["question"])
+        assert bare_answer(conversation[1]["content"]) == str(row["answer"])
+    assert bare_answer("The sum is 42.") is None and bare_answer("42.") == "42"
+
+
+def test_make_demo_runs_the_recipe_with_a_paired_eval_of_all_200():
+    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
+        config = to_typed(compose("config", overrides=["task=sums", "algo=grpo"]))
+    assert (config.algo.warmup.steps, config.algo.steps, config.algo.eval_every) == (6, 4, 0)
+    assert (config.task.eval_size, config.task.final_eval_size) == (50, 0)
+    assert "task=sums algo=grpo" in (Path(__file__).resolve().parents[1] / "Makefile").read_text()
