@@ -37,6 +37,15 @@ TINY_MODEL = {
 
 
 @pytest.fixture(scope="session")
+def reference(tmp_path_factory) -> Path:
+    """The reference run (tests/runs.py): one harness job whose bytes every exactness test compares with,
+    and whose run dir the report and eval tests read. Read-only."""
+    from runs import run
+
+    return run(tmp_path_factory.mktemp("reference") / "run")
+
+
+@pytest.fixture(scope="session")
 def tiny_model_cfg():
     """The `model` config of the tiny policy: `load_policy(tiny_model_cfg, "cpu")`. Read-only."""
     return OmegaConf.create(TINY_MODEL)

@@ -1,4 +1,4 @@
-"""The e2e agent, plus deliberate SIGKILLs at chosen points of the harness (crash tests).
+"""The e2e agent, plus deliberate SIGKILLs at chosen points of the harness (crash tests), and a pause.
 
 Imported by the harness process itself (as ``task.agent=crash_points:multi_turn_agent``), so
 with ``AGL_TEST_KILL`` set it patches that process:
@@ -8,15 +8,20 @@ with ``AGL_TEST_KILL`` set it patches that process:
                   in memory, before the policy version moves or anything is saved;
   ``checkpoint``  dies inside the first checkpoint transaction, after its rows are written
                   and before COMMIT.
+
+``AGL_TEST_AGENT_SLEEP`` (seconds) slows every rollout down by that much before its first call, so that a
+test can stop a runner process while it runs rollouts; it changes when things happen, not what is computed.
 """
 
 import os
 import signal
+import time
 
 import e2e_agents
 from e2e_agents import load  # noqa: F401  (the data the run uses)
 
 KILL_AT = os.environ.get("AGL_TEST_KILL", "")
+SLEEP_S = float(os.environ.get("AGL_TEST_AGENT_SLEEP") or 0)
 
 
 def _die() -> None:
@@ -24,6 +29,7 @@ def _die() -> None:
 
 
 def multi_turn_agent(task: dict, llm, prompt_template: str, **kwargs) -> float:
+    time.sleep(SLEEP_S)
     if KILL_AT == "rollout":
         e2e_agents.multi_turn_agent(task, llm, prompt_template, max_turns=1)
         _die()
