@@ -36,6 +36,14 @@ TINY_MODEL = {
 }
 
 
+def pytest_collection_modifyitems(items):
+    """A test that reads the reference run is of its family (marker ``exact``): ``make test`` runs them
+    together, after the others, in one process (the run is made once) on a machine no other test loads."""
+    for item in items:
+        if "reference" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.exact)
+
+
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> Path:
     """The reference run (tests/runs.py): one harness job whose bytes every exactness test compares with,
