@@ -16,6 +16,7 @@ import os
 import sqlite3
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,20 +56,29 @@ def is_cost(name: str) -> bool:
     return name.startswith("time_") or name.endswith(("_s", "_mib")) or name == "prompt_tokens"
 
 
-def harness(*args: str, kill: str = "", env: dict | None = None) -> subprocess.Popen:
+class Harness(subprocess.Popen):
+    """A harness process whose output (stdout and stderr, its runner processes' too) goes to a file, never to
+    a pipe: a test that waits on something else would not read the pipe, and a full pipe stops every process
+    writing to it (a loaded machine makes more warnings: the wait would be forever)."""
+
+    def __init__(self, args: list[str], env: dict):
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="agl-harness-", suffix=".log", delete=False)
+        super().__init__(args, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def communicate(self, input=None, timeout: float | None = None) -> tuple[str, None]:  # noqa: A002 (Popen's name)
+        self.wait(timeout=timeout)
+        return self.output(), None
+
+
+def harness(*args: str, kill: str = "", env: dict | None = None) -> Harness:
     """``python harness.py *args`` in its own process group; ``kill``: a tests/crash_points.py kill point."""
     environ = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "tests"), "AGL_TEST_KILL": kill}
     environ.pop("HYDRA_FULL_ERROR", None)
     environ.update(env or {})
-    return subprocess.Popen(
-        [sys.executable, "harness.py", *args],
-        cwd=ROOT,
-        env=environ,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-        text=True,
-    )
+    return Harness([sys.executable, "harness.py", *args], environ)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> str:

@@ -51,10 +51,13 @@ def wait_for(find, what: str, timeout: float = 300.0):  # generous: a loaded mac
 
 
 def stop(*procs) -> None:
+    """Kill what still runs, and show each process's output (pytest prints it when the test failed)."""
     for proc in procs:
         if proc is not None and proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+        if proc is not None:
+            print(f"--- output of {proc.args[2:4]} (pid {proc.pid}, exit {proc.returncode}):\n{proc.output()[-5000:]}")
 
 
 def test_runner_processes_run_the_same_job_and_stopping_any_process_costs_nothing(reference, tmp_path):

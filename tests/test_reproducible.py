@@ -40,7 +40,7 @@ def test_kill_9_anywhere_changes_nothing(reference, tmp_path):
     for point in ("random", "random", "rollout", "update", "checkpoint"):
         if point == "random":  # somewhere in the job, after the model has loaded (~3 s)
             time.sleep(3.0 + rng.uniform(0.0, 0.3 * duration))  # early enough that a GRPO update is left
-            assert proc.poll() is None, "the run ended before it was killed: " + proc.stdout.read()[-2000:]
+            assert proc.poll() is None, "the run ended before it was killed: " + proc.output()[-2000:]
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         else:
