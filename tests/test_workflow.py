@@ -5,7 +5,6 @@ the agents score something noise varies in (vowels) or something the prompt deci
 """
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -17,6 +16,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from runs import RUN, STEPS, all_metrics, query
 
+import agl
 from agl.config import to_typed
 from agl.eval.stats import bootstrap_ci, mean_ci
 from agl.jobs.eval import run_eval
@@ -274,8 +274,10 @@ def test_report_reads_a_run_without_loading_a_model(reference, tmp_path):
     assert (grpo_run / "report.md").is_file() and (grpo_run / "curves.png").is_file()
 
 
-def test_readme_custom_task_runs_through_task_custom(tmp_path):
-    """The README's own-agent example, verbatim, trains through `task=custom` from the user's dir."""
+def test_readme_custom_task_runs_through_task_custom(tmp_path, monkeypatch):
+    """The README's own-agent example, verbatim, trains through `task=custom` from the user's dir: the job
+    harness.py runs, here in this process (agl.run), with the user's dir as the working directory and nothing
+    else to import `my_agent` from."""
     readme = (ROOT / "README.md").read_text()
     agent = (TESTS / "my_agent.py").read_text()
     data = (TESTS / "capitals.jsonl").read_text()
@@ -284,10 +286,13 @@ def test_readme_custom_task_runs_through_task_custom(tmp_path):
     )
     shutil.copy(TESTS / "my_agent.py", tmp_path / "my_agent.py")
     shutil.copy(TESTS / "capitals.jsonl", tmp_path / "capitals.jsonl")
+    monkeypatch.chdir(tmp_path)
+    # as under `python harness.py`: the user's modules come from the working directory (agl puts it on the path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(TESTS))])
+    monkeypatch.setitem(sys.modules, "my_agent", None)  # with the next line: after the test, as it was before
+    monkeypatch.delitem(sys.modules, "my_agent")  # imported afresh, from the user's dir
     run_dir = tmp_path / "run"
-    args = [
-        sys.executable,
-        str(ROOT / "harness.py"),
+    agl.run(
         "task=custom",
         "task.agent=my_agent:my_agent",
         "task.data=capitals.jsonl",
@@ -299,11 +304,9 @@ def test_readme_custom_task_runs_through_task_custom(tmp_path):
         "algo.group_size=2",
         "task.max_tokens=4",
         "task.eval_size=2",
-        f"hydra.run.dir={run_dir}",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+        run_dir=run_dir,
+    )
+    assert sys.modules["my_agent"].__file__ == str(tmp_path / "my_agent.py")
     lines = metrics_lines(run_dir)
     assert (
         [line["step"] for line in lines] == [-1, 0] and lines[-1]["rollouts"] == 4 and lines[-1]["rollouts_failed"] == 0
@@ -312,12 +315,14 @@ def test_readme_custom_task_runs_through_task_custom(tmp_path):
     assert json.loads((run_dir / "status.json").read_text())["status"] == "succeeded"
 
 
-@pytest.mark.parametrize("collect_every", [0, 1])
+@pytest.mark.parametrize("collect_every", [0, 4])
 async def test_the_agents_cyclic_garbage_is_collected_every_few_rollouts(tmp_path, collect_every):
     """An openai client made per rollout sits in a reference cycle (with its SSL context, ~0.65 MiB)
     until a full collection, which Python runs rarely with a model loaded; the runtime runs one
     every ``runner.collect_every`` finished rollouts. Automatic collection is off here, so only
-    the runtime's can free them (0: none, the control that the cycle is real)."""
+    the runtime's can free them (0: none, the control that the cycle is real; 4: one, once the
+    4th and last rollout has finished). Replies are 4 tokens (server.default_max_tokens: the agent
+    sends none): their length does not matter here."""
     import gc
 
     import e2e_agents
@@ -330,6 +335,7 @@ async def test_the_agents_cyclic_garbage_is_collected_every_few_rollouts(tmp_pat
             "task.data=e2e_agents:load",
             "runner.n=2",
             f"runner.collect_every={collect_every}",
+            "server.default_max_tokens=4",
         ]
     )
     e2e_agents.CLIENTS.clear()
@@ -351,9 +357,17 @@ async def test_the_agents_cyclic_garbage_is_collected_every_few_rollouts(tmp_pat
 
 async def test_an_async_agent_that_blocks_slows_only_itself(tmp_path, caplog):
     """A sync openai client inside an async agent used to freeze the route (same event loop):
-    the agent's own request could not be answered and timed out. Now it runs, with a warning."""
+    the agent's own request could not be answered and timed out. Now it runs, with a warning.
+    Replies are 4 tokens (server.default_max_tokens: the agent sends none): what blocks is its sleep."""
     cfg = compose_cfg(
-        TINY + ["task=hello", "task.agent=e2e_agents:blocking_async_agent", "task.data=e2e_agents:load", "runner.n=4"]
+        TINY
+        + [
+            "task=hello",
+            "task.agent=e2e_agents:blocking_async_agent",
+            "task.data=e2e_agents:load",
+            "runner.n=4",
+            "server.default_max_tokens=4",
+        ]
     )
     async with Runtime.of(to_typed(cfg), tmp_path) as rt:
         rows = rt.task.load("test")[:4]
