@@ -5,7 +5,7 @@ costs no rollout anything.
 Real harness processes on the reference run (tests/runs.py: the tiny model in float32, batch-invariant),
 so an attempt handed back uncharged is rerun with the seeds of the try it replaces, and the run must end
 byte-identical to the reference, whose runners all lived in the job's process. runner.max_attempts=1: an
-attempt charged to the agent would fail its rollout. The agent sleeps 0.4 s per rollout here (not in the
+attempt charged to the agent would fail its rollout. The agent sleeps 2 s per rollout here (not in the
 reference): when things happen changes, what is computed must not.
 """
 
@@ -22,7 +22,7 @@ from agl import run as run_in_process
 from agl.errors import ConfigError
 
 PROCESSES = ["runner.n=0", "runner.processes=2", "runner.per_process=4"]
-SLOW = {"AGL_TEST_AGENT_SLEEP": "0.4"}  # time to stop a runner process while it runs rollouts
+SLOW = {"AGL_TEST_AGENT_SLEEP": "2"}  # time to start, and stop, runner processes while the job runs rollouts
 
 
 def busy_sessions(run_dir: Path) -> dict[int, int]:
