@@ -31,6 +31,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from gguf_once import parsed_once
 from omegaconf import OmegaConf
 
 import agl
@@ -179,24 +180,9 @@ def adapters(tiny_model_cfg, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def gguf_parsed_once():
-    """Each exported GGUF file parsed once. transformers parses a whole GGUF file with gguf-py's GGUFReader (the
-    real tokenizer's ~150k vocabulary and merges values, a numpy view each) for each of a model's config, its
-    weights and a tokenizer: the same file three times per test, most of an export test's time. The reader is
-    read-only (a memmap of the file); a file written again (a new size or mtime) is parsed again."""
-    import gguf
-
-    parse = gguf.GGUFReader
-    parsed = {}
-
-    def reader(path, mode="r"):
-        stat = os.stat(path)
-        key = (os.fspath(path), stat.st_size, stat.st_mtime_ns, mode)
-        if key not in parsed:
-            parsed[key] = parse(path, mode)
-        return parsed[key]
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", reader)  # transformers imports it from gguf when it loads a file
+    """Each exported GGUF file parsed once (tests/gguf_once.py): transformers parses one file three times for a
+    model and its tokenizer, most of an export test's time."""
+    with parsed_once():
         yield
 
 
