@@ -105,9 +105,10 @@ def sweep(cwd: Path, launcher: list[str], agents: str, ok: bool = True) -> subpr
     environ = {
         k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "HYDRA_FULL_ERROR")
     }
-    environ["PYTHONPATH"] = str(
-        cwd
-    )  # the agents' modules; tasks/ comes from the checkout (harness.py puts it on sys.path)
+    # the agents' modules, and this checkout's agl and tasks/: submitit's job processes unpickle the job function
+    # without running harness.py (which puts the checkout first on sys.path), so they would import agl from wherever
+    # the venv installed it (another checkout, in a venv shared by worktrees)
+    environ["PYTHONPATH"] = os.pathsep.join([str(cwd), str(ROOT)])
     result = subprocess.run(args, cwd=cwd, env=environ, capture_output=True, text=True, timeout=900)
     assert (result.returncode == 0) == ok, result.stderr[-3000:]
     return result
