@@ -51,7 +51,7 @@ def agent(task, llm, prompt_template, **kwargs):
 """
 # The other job's agent module waits, as it is imported (early in the job), until the probe job is running,
 # then ends its job: so the two jobs overlap if, and only if, the launcher runs them at once (one at a time,
-# it gives up after a minute and the overlap check fails), and both job dirs exist when it ends.
+# it gives up after 5 minutes and the overlap check fails), and both job dirs exist when it ends.
 WAIT_FOR_PROBE = """
 import json
 import time
@@ -65,7 +65,7 @@ def running(status):
         return False
 
 
-deadline = time.time() + 60
+deadline = time.time() + 300  # a loaded machine can take minutes to start a job process
 sweeps = Path(__file__).parent / "outputs" / "multirun"
 while time.time() < deadline and not any(running(s) for s in sweeps.glob("*/*probe_agent*/status.json")):
     time.sleep(0.05)
