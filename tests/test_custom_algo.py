@@ -2,11 +2,11 @@
 
 On the tiny random model, with an agent whose reward the prompt template decides
 (workflow_agents.marker_agent): the README's find_best_prompt (tests/my_algo.py) must pick
-the marked template, through the harness and through ``agl.run``.
+the marked template, through ``agl.run`` (harness.py's job in this process: harness.py itself is run
+by tests/test_harness.py).
 """
 
 import json
-import os
 import re
 import sqlite3
 import subprocess
@@ -32,14 +32,6 @@ MARKED = TINY + [
     "algo=custom",
 ]
 FIND_BEST = MARKED + ["algo.fn=my_algo:find_best_prompt"]
-
-
-def harness(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "OMP_NUM_THREADS": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run(
-        [sys.executable, "harness.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
-    )
 
 
 def status(run_dir: Path) -> dict:
@@ -69,37 +61,16 @@ def test_readme_find_best_prompt_is_tests_my_algo():
     assert (ROOT / "tests" / "my_algo.py").read_text().strip() in (ROOT / "README.md").read_text()
 
 
-def test_harness_runs_the_readme_algorithm_and_report_reads_its_run(tmp_path):
+def test_a_bad_algo_fn_fails_the_job_before_the_model_loads(tmp_path):
+    """What `python harness.py ... algo.fn=workflow_agents:marker_agent` meets (the job, run in this process;
+    tests/test_harness.py runs the command line's one-line error)."""
     run_dir = tmp_path / "run"
-    done = harness(*FIND_BEST, f"hydra.run.dir={run_dir}")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "[algo] best prompt: marked" in done.stdout
-    record = status(run_dir)
-    assert record["status"] == "succeeded" and record["algo"] == "custom" and record["error"] is None
-    assert_marked_wins(record["result"])
-    # 3 templates x 4 tasks, each under its own resources version, decoded with algo's defaults
-    # (greedy, task.max_tokens): find_best_prompt enqueues them without any sampling settings
-    with sqlite3.connect(run_dir / "store.sqlite") as conn:
-        assert conn.execute(
-            "SELECT count(*), count(DISTINCT resources_id) FROM rollouts WHERE status = 'succeeded'"
-        ).fetchone() == (12, 3)
-    assert [(s["temperature"], s["max_tokens"]) for s in llm_sampling(run_dir)] == [(0.0, 6)] * 12
-
-    report = harness(f"report={run_dir}")
-    assert report.returncode == 0, report.stderr[-3000:]
-    assert re.search(r"\| algo\s+\| custom \(my_algo:find_best_prompt\)", report.stdout), report.stdout
-    assert '"best": "marked"' in report.stdout and "12 succeeded" in report.stdout
-    assert "| steps" not in report.stdout  # no checkpoints is not "no checkpoint yet" for a custom job
-
-
-def test_harness_says_what_is_wrong_with_algo_fn(tmp_path):
-    run_dir = tmp_path / "run"
-    done = harness(*MARKED, "algo.fn=workflow_agents:marker_agent", f"hydra.run.dir={run_dir}")
-    assert done.returncode == 2, done.stdout[-3000:]
     message = (
         "algo.fn 'workflow_agents:marker_agent' must be an async function: it is not async (define it with async def)"
     )
-    assert f"error: {message}" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    with pytest.raises(ConfigError) as error:
+        agl.run(*MARKED, "algo.fn=workflow_agents:marker_agent", run_dir=run_dir)
+    assert str(error.value) == message
     assert status(run_dir)["status"] == "failed" and status(run_dir)["error"] == f"ConfigError: {message}"
     assert not (run_dir / "store.sqlite").exists()  # refused before the model loaded
 
@@ -168,17 +139,34 @@ def test_parameters_are_matched_by_name():
 # ----------------------------------------------------------------------------- agl.run
 
 
-async def test_agl_run_inside_a_running_loop_returns_the_result(tmp_path):
-    """A notebook's kernel runs an event loop: the job (which starts its own) runs in a thread."""
+async def test_agl_run_inside_a_running_loop_runs_the_readme_algorithm_and_report_reads_its_run(tmp_path, capsys):
+    """The README's `python harness.py task=hello algo=custom algo.fn=my_algo:find_best_prompt`, as a notebook runs
+    it: its kernel runs an event loop, so the job (which starts its own) runs in a thread."""
     run_dir = tmp_path / "run"
     result = agl.run(*FIND_BEST, run_dir=run_dir)
     assert_marked_wins(result)
-    assert status(run_dir)["status"] == "succeeded" and status(run_dir)["result"] == result
+    assert "[algo] best prompt: marked" in capsys.readouterr().out
+    record = status(run_dir)
+    assert record["status"] == "succeeded" and record["algo"] == "custom" and record["error"] is None
+    assert record["result"] == result
     saved = OmegaConf.load(run_dir / ".hydra" / "config.yaml")  # what `harness.py resume=` reads
     assert saved.algo.fn == "my_algo:find_best_prompt" and saved.task.prompts.marked == "[BEST] {question}"
     assert OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")) == FIND_BEST
     assert agl.run(*FIND_BEST, run_dir=run_dir) == result  # a succeeded run dir is not run again
-    assert len(llm_sampling(run_dir)) == 12
+    # 3 templates x 4 tasks, each under its own resources version, decoded with algo's defaults
+    # (greedy, task.max_tokens): find_best_prompt enqueues them without any sampling settings
+    with sqlite3.connect(run_dir / "store.sqlite") as conn:
+        assert conn.execute(
+            "SELECT count(*), count(DISTINCT resources_id) FROM rollouts WHERE status = 'succeeded'"
+        ).fetchone() == (12, 3)
+    assert [(s["temperature"], s["max_tokens"]) for s in llm_sampling(run_dir)] == [(0.0, 6)] * 12
+
+    capsys.readouterr()
+    agl.run(f"report={run_dir}")  # what `python harness.py report=<run dir>` prints
+    report = capsys.readouterr().out
+    assert re.search(r"\| algo\s+\| custom \(my_algo:find_best_prompt\)", report), report
+    assert '"best": "marked"' in report and "12 succeeded" in report
+    assert "| steps" not in report  # no checkpoints is not "no checkpoint yet" for a custom job
 
 
 async def probe(store, llm, cfg, run_dir, eval_rows, runtime, greeting, **rest):

@@ -2,15 +2,13 @@
 full (status.json `failed`, non-zero exit); some failed -> the eval table says how many and why."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from failing_agents import ERROR
 from hydra import compose, initialize_config_dir
 
+import agl
 from agl.config import to_typed
 from agl.eval.failures import Failures, RolloutsFailed, most_common
 from agl.jobs.eval import run_eval
@@ -41,29 +39,17 @@ def test_most_common_error_and_its_description():
 
 
 def test_an_eval_whose_every_rollout_fails_fails_with_the_error_in_full(tmp_path):
+    """The job harness.py runs (here in this process, agl.run): it raises, so the command exits non-zero with the
+    error on stderr."""
     run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [
-            sys.executable,
-            "harness.py",
-            *TINY,
-            "task.agent=failing_agents:always_fails",
-            "algo=eval",
-            f"hydra.run.dir={run_dir}",
-        ],
-        cwd=ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "tests")},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode != 0, result.stdout
+    with pytest.raises(RolloutsFailed) as failed:
+        agl.run(*TINY, "task.agent=failing_agents:always_fails", "algo=eval", run_dir=run_dir)
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "failed"
     assert status["error"] == (
         f"RolloutsFailed: 4 of 4 rollouts of eval test failed; the most common error (4 of 4): ConnectionError: {ERROR}"
     )
-    assert ERROR in result.stderr
+    assert ERROR in str(failed.value)
     assert not (run_dir / "eval.md").exists()  # no table of zeros that looks like a score
 
 

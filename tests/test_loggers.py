@@ -1,57 +1,24 @@
 """``logger=tensorboard`` and ``logger=wandb`` (offline): what they got equals metrics.jsonl, also after a resume.
 
-Each test trains the tiny model for two GRPO steps through harness.py, has the job die during its
-last step, resumes it, and reads the logger's own files back (TensorBoard's EventAccumulator; the
-records of W&B's offline run file).
+One job with both loggers: the reference run (tests/runs.py) with another seed, killed right after its
+first GRPO update (before that step's checkpoint: tests/crash_points.py), then resumed. The loggers'
+own files are read back (TensorBoard's EventAccumulator; the records of W&B's offline run file). It is
+also the test that another seed gives another run.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import sqlite3
+import signal
 import struct
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from runs import RUN, STEPS, adapter, all_metrics, finish, harness
 
+from agl import run as run_in_process
+from agl.errors import ConfigError
 from agl.report.loggers import scalars
-from agl.report.status import write_status
-
-ROOT = Path(__file__).resolve().parents[1]
-TRAIN = [
-    "model=tiny",
-    "task=hello",
-    "algo=grpo",
-    "progress=false",
-    "runner.n=4",
-    "algo.steps=2",
-    "algo.batch_size=2",
-    "algo.group_size=2",
-    "algo.eval_every=1",
-    "task.max_tokens=4",
-    "task.eval_size=2",
-]
-
-
-def harness(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    environ = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    environ.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.run(
-        [sys.executable, "harness.py", *args], cwd=ROOT, env=environ, capture_output=True, text=True, timeout=600
-    )
-
-
-def train(run_dir: Path, logger: str, env: dict | None = None) -> list[dict]:
-    result = harness(*TRAIN, f"logger={logger}", f"hydra.run.dir={run_dir}", env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return metrics(run_dir)
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def as_curves(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
@@ -63,21 +30,6 @@ def as_curves(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
     return curves
 
 
-def kill_during_last_step(run_dir: Path) -> None:
-    """As if the job died before step 1's checkpoint committed (tests/test_sweep.py does the same)."""
-    with sqlite3.connect(run_dir / "store.sqlite") as conn:
-        for table in ("checkpoint_blobs", "checkpoints", "metrics"):
-            conn.execute(f"DELETE FROM {table} WHERE step = 1")
-    write_status(run_dir, "running", pid=2**22 + 12345, result=None)
-
-
-def resume(run_dir: Path, env: dict | None = None) -> list[dict]:
-    result = harness(f"resume={run_dir}", env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert f"continuing {run_dir}" in result.stdout
-    return metrics(run_dir)
-
-
 def assert_same_curves(logged: dict[str, list[tuple[int, float]]], rows: list[dict]) -> None:
     expected = as_curves(rows)
     assert set(logged) == set(expected)
@@ -86,36 +38,12 @@ def assert_same_curves(logged: dict[str, list[tuple[int, float]]], rows: list[di
         assert [v for _, v in logged[name]] == pytest.approx([v for _, v in points], rel=1e-6, nan_ok=True), name
 
 
-# ----------------------------------------------------------------------------- tensorboard
-
-
 def tensorboard_curves(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0})  # 0: keep every point
     events.Reload()
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-
-
-def test_tensorboard_scalars_equal_metrics_jsonl_and_a_resume_keeps_one_curve(tmp_path):
-    pytest.importorskip(
-        "tensorboard", reason="the tensorboard extra: pip install -e '.[tensorboard]' (make test installs it)"
-    )
-    run = tmp_path / "run"
-    rows = train(run, "tensorboard")
-    assert [r["step"] for r in rows] == [-1, 0, 1]
-    assert {"reward_mean", "time_rollout_s", "eval/reward", "policy_version"} <= set(tensorboard_curves(run))
-    assert_same_curves(tensorboard_curves(run), rows)
-
-    kill_during_last_step(run)
-    rows = resume(run)
-    assert [r["step"] for r in rows] == [-1, 0, 1]
-    assert len(list(run.glob("events.out.tfevents.*"))) == 2  # the resumed process wrote all steps again
-    assert_same_curves(tensorboard_curves(run), rows)  # ... and TensorBoard shows each step once, the redone step 1's
-    # values (its time_rollout_s differs from the first try's) and not the killed process's (purge_step)
-
-
-# ----------------------------------------------------------------------------- wandb (offline)
 
 
 def wandb_history(run_file: Path) -> list[dict]:
@@ -156,55 +84,42 @@ def wandb_curves(run_file: Path) -> dict[str, list[tuple[int, float]]]:
     return curves
 
 
-KILL_AGENT = """
-import itertools, os, signal, threading
-from tasks.hello.agent import hello_agent
-
-calls, lock = itertools.count(1), threading.Lock()
-
-
-def agent(task, llm, prompt_template, **kwargs):
-    with lock:
-        n = next(calls)
-    if str(n) == os.environ.get("AGL_TEST_KILL_AT_CALL"):  # SIGKILL: no cleanup, no flush, as in an OOM kill
-        os.kill(os.getpid(), signal.SIGKILL)
-    return hello_agent(task, llm, prompt_template, **kwargs)
-"""
-
-
-def test_wandb_offline_history_equals_metrics_jsonl_also_after_a_kill_and_resume(tmp_path):
-    pytest.importorskip("wandb", reason="the wandb extra: pip install -e '.[wandb]' (make test installs it)")
-    (tmp_path / "kill_agent.py").write_text(KILL_AGENT)
-    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true", "PYTHONPATH": str(tmp_path)}
+def test_another_seed_with_both_loggers_killed_and_resumed(reference, tmp_path, device):
+    pytest.importorskip("tensorboard", reason="the tensorboard extra: pip install -e '.[tensorboard]'")
+    pytest.importorskip("wandb", reason="the wandb extra: pip install -e '.[wandb]'")
+    env = {"WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     run = tmp_path / "run"
-    # calls 1-2: the baseline eval; 3-6: step 0's rollouts; 7-8: the eval after step 0; 9: step 1's first rollout
-    killed = harness(
-        *TRAIN,
-        "task.agent=kill_agent:agent",
-        "logger=wandb",
-        f"hydra.run.dir={run}",
-        env={**env, "AGL_TEST_KILL_AT_CALL": "9"},
-    )
-    assert killed.returncode == -9, killed.stderr[-3000:]
-    assert [r["step"] for r in metrics(run)] == [-1, 0]
+    args = [*RUN, "runner.n=8", "seed=4", "logger=[tensorboard,wandb]"]
+    killed = harness(*args, f"hydra.run.dir={run}", kill="update", device=device, env=env)
+    out, _ = killed.communicate(timeout=300)
+    assert killed.returncode == -signal.SIGKILL, out[-3000:]
+    assert [r["step"] for r in all_metrics(run)] == [-1, 0]  # the baseline and the SFT step; step 1 never committed
+    assert "continuing" in finish(harness(f"resume={run}", env=env))
+    rows = all_metrics(run)
+    assert [r["step"] for r in rows] == list(range(-1, STEPS))
+    assert adapter(run) != adapter(reference)  # another seed, another run
 
-    rows = resume(run, env)
-    assert [r["step"] for r in rows] == [-1, 0, 1]
+    # TensorBoard: the resumed process wrote every step again, and purge_step hides the killed one's events
+    assert len(list(run.glob("events.out.tfevents.*"))) == 2
+    logged = tensorboard_curves(run)
+    assert {"reward_mean", "time_rollout_s", "eval/reward", "policy_version", "sft_loss"} <= set(logged)
+    assert_same_curves(logged, rows)
+
+    # W&B offline: one run id over both processes; the newest offline dir holds the whole run, each step once
     runs = sorted((run / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and len({r.name.rsplit("-", 1)[1] for r in runs}) == 1  # one W&B run id, resumed
+    assert len(runs) == 2 and len({r.name.rsplit("-", 1)[1] for r in runs}) == 1
     [latest] = (run / "wandb" / "latest-run").glob("run-*.wandb")
     assert latest.resolve().parent == runs[-1].resolve()
     curves = wandb_curves(latest)
     assert {"reward_mean", "eval/reward", "policy_version"} <= set(curves)
-    assert_same_curves(curves, rows)  # the newest offline dir holds the whole run, each step once
-
-
-# ----------------------------------------------------------------------------- bad input
+    assert_same_curves(curves, rows)
 
 
 def test_unknown_logger_is_a_one_line_config_error(tmp_path):
-    result = harness("model=tiny", "task=hello", "algo=grpo", "logger=tensorbaord", f"hydra.run.dir={tmp_path / 'run'}")
-    assert result.returncode == 2, result.stderr
-    assert "error: logger=tensorbaord: no such logger; known: tensorboard, wandb" in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr
+    with pytest.raises(ConfigError) as error:
+        run_in_process("model=tiny", "task=hello", "algo=grpo", "logger=tensorbaord", run_dir=tmp_path / "run")
+    assert (
+        str(error.value)
+        == "logger=tensorbaord: no such logger; known: tensorboard, wandb (or null for metrics.jsonl only)"
+    )
     assert not (tmp_path / "run" / "store.sqlite").exists()  # refused before the job started its store

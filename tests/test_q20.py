@@ -8,8 +8,8 @@ import sqlite3
 import openai
 import pytest
 import torch
-from test_harness import harness
 
+import agl
 from agl.policy.engine import Engine
 from agl.policy.load import load_policy
 from agl.route.server import ModelServer
@@ -104,9 +104,10 @@ async def test_a_frozen_model_is_the_base_model_recorded_but_never_trained(route
 
 
 def test_q20_trains_on_the_players_turns_only(tmp_path):
-    """The whole job on the tiny model: every answerer call is recorded, frozen and out of the samples."""
-    result = harness(
-        tmp_path,
+    """The whole job on the tiny model (harness.py's, in this process): every answerer call is recorded, frozen
+    and out of the samples. The task's recipe starts with an SFT warm-up on its demonstrations (30 steps): here
+    one step of 2 games, then one GRPO step."""
+    agl.run(
         "model=tiny",
         "task=q20",
         "algo=grpo",
@@ -118,8 +119,13 @@ def test_q20_trains_on_the_players_turns_only(tmp_path):
         "task.resources.max_turns=3",
         "task.max_tokens=8",
         "algo.drop_zero_std=false",
+        "algo.warmup.steps=1",
+        "algo.warmup.batch_size=2",
+        "progress=false",
+        run_dir=tmp_path / "run",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [(line["step"], line.get("stage")) for line in lines] == [(-1, None), (0, "sft"), (1, "grpo")]
     db = sqlite3.connect(tmp_path / "run" / "store.sqlite")
     models = [json.loads(a).get("model") for (a,) in db.execute("SELECT attributes FROM spans WHERE name = 'llm.chat'")]
     assert "base" in models and "tiny" in models
@@ -130,10 +136,7 @@ def test_q20_trains_on_the_players_turns_only(tmp_path):
     ]
     assert frozen and not any(frozen)
 
-    report = harness(
-        tmp_path, f"report={tmp_path / 'run'}"
-    )  # its samples show the player's replies, not the answerer's
-    assert report.returncode == 0, report.stderr[-2000:]
+    agl.run(f"report={tmp_path / 'run'}")  # its samples show the player's replies, not the answerer's
     first_eval = db.execute(
         "SELECT rollout_id FROM rollouts WHERE json_extract(metadata, '$.eval_step') IS NOT NULL ORDER BY seq LIMIT 1"
     ).fetchone()[0]

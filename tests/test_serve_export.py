@@ -1,9 +1,11 @@
 """``algo=serve`` (the trained policy on the route, calls recorded) and ``algo=export`` (merged HF dir + GGUF).
 
 Serve runs as users run it, ``python harness.py ...`` in a subprocess, called with the stock
-``openai`` client and stopped with SIGTERM. Export runs in this process (``agl.run``) on the tiny
-model with a random adapter, and what it wrote is loaded by plain transformers (HF dir, and the
-GGUF through ``gguf_file=``) and compared with the agl policy on a few chat prompts:
+``openai`` client and stopped with SIGTERM; its refusals (a port in use, an adapter that is not there)
+are ``ConfigError``s of the same job run in this process (``agl.run``; tests/test_harness.py runs the
+command line's one-line error). Export runs in this process too, on the tiny model with a random
+adapter, and what it wrote is loaded by plain transformers (HF dir, and the GGUF through
+``gguf_file=``) and compared with the agl policy on a few chat prompts:
 
   - against the same adapter on an unquantized policy (``model.quantization=none``): the export
     must match to 1e-4 in every logit (measured <1e-6: the merge itself);
@@ -29,6 +31,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from gguf_once import parsed_once
 from omegaconf import OmegaConf
 
 import agl
@@ -134,21 +137,20 @@ def test_serve_on_a_port_in_use_is_one_line(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = harness_process(tmp_path, "model=tiny", "algo=serve", f"server.port={port}")
-        output, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 2 and "Traceback" not in output, output
-    assert f"error: cannot listen on 127.0.0.1:{port}: Address already in use" in output, output
+        with pytest.raises(ConfigError) as error:
+            agl.run("model=tiny", "algo=serve", f"server.port={port}", run_dir=tmp_path / "run")
+    message = str(error.value)
+    assert message.startswith(f"cannot listen on 127.0.0.1:{port}: Address already in use") and "\n" not in message
 
 
 @pytest.mark.parametrize("algo", ["serve", "export"])
 def test_an_adapter_that_does_not_exist_is_one_line_naming_it(tmp_path, algo):
     missing = tmp_path / "no-such-run"
-    proc = harness_process(tmp_path, "model=tiny", f"algo={algo}", f"model.adapter={missing}")
-    output, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 2 and "Traceback" not in output, output
-    assert [line for line in output.splitlines() if line.startswith("error:")] == [
-        f"error: model.adapter '{missing}' holds no adapter_config.json (neither it nor '{missing / 'adapter'}')"
-    ], output
+    with pytest.raises(ConfigError) as error:
+        agl.run("model=tiny", f"algo={algo}", f"model.adapter={missing}", run_dir=tmp_path / "run")
+    assert str(error.value) == (
+        f"model.adapter '{missing}' holds no adapter_config.json (neither it nor '{missing / 'adapter'}')"
+    )
 
 
 # ----------------------------------------------------------------------------- export
@@ -166,6 +168,24 @@ def random_adapter(tiny_model_cfg, directory: Path, **lora) -> Path:
     return directory
 
 
+ADAPTERS = {"linear-layers": {}, "tied-embeddings-too": {"train_embeddings": True}}
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_model_cfg, tmp_path_factory) -> dict[str, Path]:
+    """The tests' random adapters, saved once; the tests only read them."""
+    root = tmp_path_factory.mktemp("adapters")
+    return {name: random_adapter(tiny_model_cfg, root / name, **lora) for name, lora in ADAPTERS.items()}
+
+
+@pytest.fixture(scope="module")
+def gguf_parsed_once():
+    """Each exported GGUF file parsed once (tests/gguf_once.py): transformers parses one file three times for a
+    model and its tokenizer, most of an export test's time."""
+    with parsed_once():
+        yield
+
+
 def chat_ids(tokenizer, messages) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
@@ -175,11 +195,13 @@ def logits(model, ids: list[int]) -> torch.Tensor:
     return model(torch.tensor([ids])).logits.float()
 
 
-@pytest.mark.parametrize("lora", [{}, {"train_embeddings": True}], ids=["linear-layers", "tied-embeddings-too"])
-def test_export_loads_in_plain_transformers_and_matches_the_policy(tmp_path, tiny_model_cfg, lora):
+@pytest.mark.parametrize("lora", sorted(ADAPTERS))
+def test_export_loads_in_plain_transformers_and_matches_the_policy(
+    tmp_path, tiny_model_cfg, adapters, gguf_parsed_once, lora
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    adapter = random_adapter(tiny_model_cfg, tmp_path / "adapter", **lora)
+    adapter = adapters[lora]
     result = agl.run("model=tiny", "algo=export", f"model.adapter={adapter}", run_dir=tmp_path / "run")
     out = tmp_path / "run" / "export"
     assert result["hf"] == str(out / "hf") and result["gguf"] == str(out / "model-float32.gguf")
@@ -204,11 +226,11 @@ def test_export_loads_in_plain_transformers_and_matches_the_policy(tmp_path, tin
             assert (exported - logits(exact.model, ids)).abs().max() > 0.01
 
 
-def test_bfloat16_export_writes_bf16_gguf_matrices(tmp_path, tiny_model_cfg):
+def test_bfloat16_export_writes_bf16_gguf_matrices(tmp_path, tiny_model_cfg, adapters, gguf_parsed_once):
     import gguf
     from transformers import AutoModelForCausalLM
 
-    adapter = random_adapter(tiny_model_cfg, tmp_path / "adapter")
+    adapter = adapters["linear-layers"]
     agl.run("model=tiny", "algo=export", f"model.adapter={adapter}", "algo.dtype=bfloat16", run_dir=tmp_path / "run")
     out = tmp_path / "run" / "export"
     reader = gguf.GGUFReader(out / "model-bfloat16.gguf")
@@ -226,8 +248,8 @@ def test_bfloat16_export_writes_bf16_gguf_matrices(tmp_path, tiny_model_cfg):
     assert (logits(hf, ids) - logits(exact.model, ids)).abs().max() < 0.05  # bf16 rounding of the weights
 
 
-def test_export_refuses_an_out_dir_that_holds_files(tmp_path, tiny_model_cfg):
-    adapter = random_adapter(tiny_model_cfg, tmp_path / "adapter")
+def test_export_refuses_an_out_dir_that_holds_files(tmp_path, adapters):
+    adapter = adapters["linear-layers"]
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(ConfigError, match="already holds files"):

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import agl
 from agl.report.status import write_status
 from agl.report.sweep import command_overrides, job_dir_name, sweep_id, write_sweep_summary
 
@@ -76,6 +77,8 @@ def test_summary_table_csv_and_plot(tmp_path):
 
 
 def _sweep(cwd, pythonpath):
+    """A 2-job sweep on the basic launcher (one job after the other, in this command's process): one GRPO
+    step of 2 rollouts each, and one eval task before and after."""
     args = [
         sys.executable,
         str(ROOT / "harness.py"),
@@ -84,13 +87,13 @@ def _sweep(cwd, pythonpath):
         "task=hello",
         "algo=grpo",
         "progress=false",
-        "runner.n=4",
-        "algo.steps=2",
-        "algo.batch_size=2",
+        "runner.n=2",
+        "algo.steps=1",
+        "algo.batch_size=1",
         "algo.group_size=2",
         "algo.eval_every=0",
-        "task.max_tokens=4",
-        "task.eval_size=2",
+        "task.max_tokens=2",
+        "task.eval_size=1",
         "task.agent=tasks.hello.agent:hello_agent,late_agent:hello_agent",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(pythonpath)}
@@ -107,7 +110,9 @@ def _store(job):
         )
 
 
-def test_multirun_isolates_a_failing_job_and_rerunning_resumes_or_skips(tmp_path):
+def test_multirun_isolates_a_failing_job_and_rerunning_resumes_or_skips(tmp_path, capsys):
+    """Re-running a sweep, tested here once: agl's logic (agl/report/sweep.py, agl/jobs/dispatch.py), the same on
+    every launcher (tests/test_launchers.py runs one sweep on each)."""
     modules = tmp_path / "modules"
     modules.mkdir()
     # 1. job "late_agent" fails (its module does not exist yet); the other job still runs
@@ -124,47 +129,37 @@ def test_multirun_isolates_a_failing_job_and_rerunning_resumes_or_skips(tmp_path
     )
     md = (sweep / "summary.md").read_text()
     assert "2 jobs: 1 failed, 1 succeeded" in md and "No module named 'late_agent'" in md
-    assert len(list(csv.DictReader(open(sweep / "summary.csv")))) == 2
+    assert len(list(csv.DictReader(open(sweep / "summary.csv")))) == 2 and out.count("written: ") == 1
 
-    # 2. make the good job look killed during its last step; make the failing job's agent exist
+    # 2. make the good job look killed during its (last and only) step, after its rollouts finished and before
+    # the step's checkpoint; make the failing job's agent exist
     checkpoints, rollouts = _store(good)
-    assert checkpoints == {0, 1}
+    assert checkpoints == {0}
     with sqlite3.connect(good / "store.sqlite") as conn:
-        conn.execute("DELETE FROM checkpoint_blobs WHERE step = 1")
-        conn.execute("DELETE FROM checkpoints WHERE step = 1")
-        conn.execute("DELETE FROM metrics WHERE step = 1")
+        conn.execute("DELETE FROM checkpoint_blobs WHERE step = 0")
+        conn.execute("DELETE FROM checkpoints WHERE step = 0")
+        conn.execute("DELETE FROM metrics WHERE step = 0")
     write_status(good, "running", pid=2**22 + 12345, result=None)
     (modules / "late_agent.py").write_text("from tasks.hello.agent import hello_agent\n")
     out = _sweep(tmp_path, modules)
     assert f"continuing {good}" in out and f"continuing {bad}" in out
-    assert _store(good) == ({0, 1}, rollouts)  # step 1 redone from its finished rollouts: nothing enqueued again
+    assert _store(good) == ({0}, rollouts)  # step 0 and both evals redone from their finished rollouts: none again
     lines = [json.loads(line) for line in (good / "metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in lines] == [-1, 0, 1]
+    assert [line["step"] for line in lines] == [-1, 0]
     assert all(json.loads((d / "status.json").read_text())["status"] == "succeeded" for d in (good, bad))
-    assert "2 jobs: 2 succeeded" in (sweep / "summary.md").read_text()
+    assert "2 jobs: 2 succeeded" in (sweep / "summary.md").read_text() and out.count("written: ") == 1
 
     # 3. the same command once more: everything is finished, nothing runs
     out = _sweep(tmp_path, modules)
-    assert out.count("skip: ") == 2 and _store(good) == ({0, 1}, rollouts)
+    assert out.count("skip: ") == 2 and _store(good) == ({0}, rollouts)
     assert list((tmp_path / "outputs" / "multirun").iterdir()) == [sweep]
 
-    # 4. report=<sweep dir> rewrites the summary from the files
+    # 4. report=<sweep dir> rewrites the summary from the files; report=<job dir> needs no quoting (the report job,
+    # in this process: its overrides go through Hydra's override parser as the command line's do)
     (sweep / "summary.md").unlink()
-    report = subprocess.run(
-        [sys.executable, str(ROOT / "harness.py"), f"report={sweep}"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert report.returncode == 0, report.stderr
-    assert "2 jobs: 2 succeeded" in report.stdout and (sweep / "summary.md").is_file()
-    report = subprocess.run(
-        [sys.executable, str(ROOT / "harness.py"), f"report={good}"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert report.returncode == 0, report.stderr  # a job dir needs no quoting on the command line
-    assert "## best step" in report.stdout and "2 of 2 done" in report.stdout
+    capsys.readouterr()
+    agl.run(f"report={sweep}")
+    assert "2 jobs: 2 succeeded" in capsys.readouterr().out and (sweep / "summary.md").is_file()
+    agl.run(f"report={good}")
+    report = capsys.readouterr().out
+    assert "## best step" in report and "1 of 1 done" in report

@@ -4,9 +4,7 @@ Everything goes through the real store, route and runners. The tiny model's text
 the agents score something noise varies in (vowels) or something the prompt decides.
 """
 
-import asyncio
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -16,11 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from runs import RUN, STEPS, all_metrics, query
 
+import agl
 from agl.config import to_typed
 from agl.eval.stats import bootstrap_ci, mean_ci
 from agl.jobs.eval import run_eval
-from agl.jobs.grpo import train
 from agl.jobs.prompt_search import run_prompt_search
 from agl.policy.load import load_policy
 from agl.report.tables import fmt
@@ -52,55 +51,36 @@ def metrics_lines(run_dir):
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def grpo_run(tmp_path_factory):
-    """Two GRPO steps with a greedy eval before and after (the end of training), on 8 tasks."""
-    run_dir = tmp_path_factory.mktemp("grpo")
-    cfg = compose_cfg(
-        VOWELS
-        + [
-            "algo=grpo",
-            "algo.steps=2",
-            "algo.batch_size=2",
-            "algo.group_size=4",
-            "algo.micro_batch_size=4",
-            "algo.lr=3e-2",
-            "algo.eval_every=0",
-            "task.final_eval_size=8",
-        ]
-    )  # the baseline and final evals cover 8 tasks, eval/ the first 6
-    asyncio.run(train(to_typed(cfg), run_dir))
-    return run_dir
-
-
-async def test_eval_of_a_saved_adapter_reproduces_the_training_eval(grpo_run, tmp_path):
-    lines = metrics_lines(grpo_run)
+async def test_eval_of_a_saved_adapter_reproduces_the_training_eval(reference, tmp_path, device):
+    """algo=eval with model.adapter=<the reference run> replies token for token as the run's final eval did."""
+    lines = all_metrics(reference)
     baseline, final = lines[0], lines[-1]
-    assert baseline["step"] == -1 and final["step"] == 1 and "eval/reward" in final
-    assert baseline["eval/n"] == final["eval/n"] == 6 and baseline["eval_all/n"] == final["eval_all/n"] == 8
+    assert baseline["step"] == -1 and final["step"] == STEPS - 1 and "eval/reward" in final
+    assert baseline["eval/n"] == final["eval/n"] == 4 and baseline["eval_all/n"] == final["eval_all/n"] == 6
     assert 0 < final["eval_all/said_a_p"] <= 1 and final["eval_all/said_a_base"] == baseline["eval_all/said_a"]
 
+    task = [o for o in RUN if o.startswith(("model=", "task", "+task", "seed="))]
     # computed again (the eval cache would replay the training run's own rows: tests/test_eval_cache.py)
-    recompute = ["algo=eval", "eval_cache.reuse=off"]
-    trained = await run_eval(compose_cfg(VOWELS + recompute + [f"model.adapter={grpo_run}"]), tmp_path / "trained")
-    assert trained["tasks"] == 6 and trained["adapter"] == str(grpo_run / "adapter")
+    eval_cfg = TINY + task + ["algo=eval", "eval_cache.reuse=off", f"device={device}"]
+    trained = await run_eval(compose_cfg(eval_cfg + [f"model.adapter={reference}"]), tmp_path / "trained")
+    assert trained["tasks"] == 4 and trained["adapter"] == str(reference / "adapter")
     assert trained["summary"]["reward"] == final["eval/reward"]  # exactly: greedy, same adapter
     assert trained["summary"]["turns"] == final["eval/turns"]
-    base = await run_eval(compose_cfg(VOWELS + recompute), tmp_path / "base")
+    base = await run_eval(compose_cfg(eval_cfg), tmp_path / "base")
     assert base["summary"]["reward"] == baseline["eval/reward"]  # and the base model = the baseline eval
     # token for token: the eval job's replies are the training run's final-eval replies
-    at_end, at_start = await _replies(grpo_run, eval_step=2), await _replies(grpo_run, eval_step=0)
+    at_end, at_start = await _replies(reference, eval_step=STEPS), await _replies(reference, eval_step=0)
     trained_replies = await _replies(tmp_path / "trained", eval="eval")
-    assert trained_replies == {t: at_end[t] for t in trained_replies}  # its 6 tasks are the first 6 of the 8
+    assert trained_replies == {t: at_end[t] for t in trained_replies}  # its 4 tasks are the first 4 of the 6
     assert await _replies(tmp_path / "base", eval="eval") == {t: at_start[t] for t in trained_replies}
     assert at_end != at_start  # the adapter changed what the policy says, so the match means something
 
     written = json.loads((tmp_path / "trained" / "eval.json").read_text())
-    assert written["summary"] == trained["summary"] and len(written["rollouts"]) == 6
+    assert written["summary"] == trained["summary"] and len(written["rollouts"]) == 4
     table = (tmp_path / "trained" / "eval.md").read_text()
-    assert "| reward" in table and str(grpo_run / "adapter") in table
+    assert "| reward" in table and str(reference / "adapter") in table
     low, high = trained["intervals"]["said_a"]["lo"], trained["intervals"]["said_a"]["hi"]
-    assert low <= trained["summary"]["said_a"] <= high and f"[{fmt(low)}, {fmt(high)}] of 6" in table
+    assert low <= trained["summary"]["said_a"] <= high and f"[{fmt(low)}, {fmt(high)}] of 4" in table
     # the final training eval carries the paired comparison with the baseline on the same tasks
     assert final["eval/said_a_base"] == baseline["eval/said_a"] and 0 < final["eval/said_a_p"] <= 1
 
@@ -252,49 +232,25 @@ async def test_sft_learns_checkpoints_and_its_adapter_is_picked_up_by_later_runs
     assert all(p.requires_grad for p in later.trainable_parameters()) and later.trainable_parameters()
 
 
-async def test_grpo_with_an_sft_warm_up_is_one_job_in_one_store(tmp_path):
-    """algo.warmup.steps=W: SFT steps 0..W-1 on the demonstrations, an eval when they end, then GRPO."""
-    cfg = compose_cfg(
-        TINY
-        + [
-            "task=hello",
-            "task.eval_size=2",
-            "algo=grpo",
-            "algo.steps=2",
-            "algo.batch_size=2",
-            "algo.group_size=2",
-            "algo.micro_batch_size=4",
-            "algo.eval_every=0",
-            "algo.warmup.steps=3",
-            "algo.warmup.batch_size=4",
-            "algo.warmup.micro_batch_size=2",
-            "algo.warmup.lr=1e-2",
-        ]
-    )
-    result = await train(to_typed(cfg), tmp_path)
-    assert result["steps"] == 5
-    lines = metrics_lines(tmp_path)
-    assert [(line["step"], line.get("stage")) for line in lines] == [
-        (-1, None),
-        (0, "sft"),
-        (1, "sft"),
-        (2, "sft"),
-        (3, "grpo"),
-        (4, "grpo"),
-    ]
-    assert all("sft_loss" in line and "reward_mean" not in line for line in lines[1:4])
-    assert all("reward_mean" in line and "sft_loss" not in line for line in lines[4:])
-    assert [line["step"] for line in lines if "eval/reward" in line] == [-1, 2, 4]  # base, after the warm-up, the end
-    assert [line["policy_version"] for line in lines[1:4]] == [1, 2, 3]  # every warm-up step moved the LoRA
+def test_grpo_with_an_sft_warm_up_is_one_job_in_one_store(reference):
+    """algo.warmup.steps=W (the reference run: W=1): SFT steps 0..W-1 on the demonstrations, an eval when
+    they end, then GRPO, in one store."""
+    lines = all_metrics(reference)
+    assert [(line["step"], line.get("stage")) for line in lines] == [(-1, None), (0, "sft"), (1, "grpo"), (2, "grpo")]
+    assert "sft_loss" in lines[1] and "reward_mean" not in lines[1]
+    assert all("reward_mean" in line and "sft_loss" not in line for line in lines[2:])
+    # evals: the baseline, after the warm-up (step 1: not a multiple of eval_every=2), at step 2, at the end
+    assert [line["step"] for line in lines if "eval/reward" in line] == [-1, 0, 1, 2]
+    assert [line["policy_version"] for line in lines[1:]] == [1, 2, 3]  # the warm-up step moved the LoRA too
     # only GRPO steps enqueue rollouts, tagged with their global step
-    async with Runtime.of(to_typed(cfg), tmp_path) as rt:
-        steps = {r.metadata.get("step") for r in await rt.store.query_rollouts() if r.mode == "train"}
-        states = [c.state["stage"] for c in await rt.store.list_checkpoints()]
-    assert steps == {3, 4}
-    assert states == ["sft", "sft", "sft", "grpo", "grpo"]
+    steps = query(reference, "SELECT DISTINCT json_extract(metadata, '$.step') FROM rollouts WHERE mode = 'train'")
+    assert sorted(s for (s,) in steps) == [1, 2]
+    states = query(reference, "SELECT json_extract(state, '$.stage') FROM checkpoints ORDER BY step")
+    assert [s for (s,) in states] == ["sft", "grpo", "grpo"]
 
 
-def test_report_reads_a_run_without_loading_a_model(grpo_run):
+def test_report_reads_a_run_without_loading_a_model(reference, tmp_path):
+    grpo_run = shutil.copytree(reference, tmp_path / "run")  # report= writes report.md and curves.png there
     code = (
         "import runpy, sys; sys.argv = ['harness.py', 'report=%s']; "
         "runpy.run_path('harness.py', run_name='__main__'); print('TORCH_LOADED', 'torch' in sys.modules)" % grpo_run
@@ -312,15 +268,17 @@ def test_report_reads_a_run_without_loading_a_model(grpo_run):
         "## failures by error",
     ):
         assert section in out, out
-    assert out.count("before training (reward") == 5 and out.count("after 2 updates (reward") == 5
+    assert out.count("before training (reward") == 5 and out.count("after 3 updates (reward") == 5
     assert "TORCH_LOADED False" in out
-    assert "| algo      | grpo" in out and "2 of 2 done" in out
+    assert "| algo      | grpo" in out and "3 of 3 (1 SFT warm-up + 2 GRPO) done" in out
     assert re.search(r"\| 1\s+\| [0-9.]+\s+\|", out)  # the step table has step 1's reward
     assert (grpo_run / "report.md").is_file() and (grpo_run / "curves.png").is_file()
 
 
-def test_readme_custom_task_runs_through_task_custom(tmp_path):
-    """The README's own-agent example, verbatim, trains through `task=custom` from the user's dir."""
+def test_readme_custom_task_runs_through_task_custom(tmp_path, monkeypatch):
+    """The README's own-agent example, verbatim, trains through `task=custom` from the user's dir: the job
+    harness.py runs, here in this process (agl.run), with the user's dir as the working directory and nothing
+    else to import `my_agent` from."""
     readme = (ROOT / "README.md").read_text()
     agent = (TESTS / "my_agent.py").read_text()
     data = (TESTS / "capitals.jsonl").read_text()
@@ -329,10 +287,13 @@ def test_readme_custom_task_runs_through_task_custom(tmp_path):
     )
     shutil.copy(TESTS / "my_agent.py", tmp_path / "my_agent.py")
     shutil.copy(TESTS / "capitals.jsonl", tmp_path / "capitals.jsonl")
+    monkeypatch.chdir(tmp_path)
+    # as under `python harness.py`: the user's modules come from the working directory (agl puts it on the path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(TESTS))])
+    monkeypatch.setitem(sys.modules, "my_agent", None)  # with the next line: after the test, as it was before
+    monkeypatch.delitem(sys.modules, "my_agent")  # imported afresh, from the user's dir
     run_dir = tmp_path / "run"
-    args = [
-        sys.executable,
-        str(ROOT / "harness.py"),
+    agl.run(
         "task=custom",
         "task.agent=my_agent:my_agent",
         "task.data=capitals.jsonl",
@@ -344,11 +305,9 @@ def test_readme_custom_task_runs_through_task_custom(tmp_path):
         "algo.group_size=2",
         "task.max_tokens=4",
         "task.eval_size=2",
-        f"hydra.run.dir={run_dir}",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+        run_dir=run_dir,
+    )
+    assert sys.modules["my_agent"].__file__ == str(tmp_path / "my_agent.py")
     lines = metrics_lines(run_dir)
     assert (
         [line["step"] for line in lines] == [-1, 0] and lines[-1]["rollouts"] == 4 and lines[-1]["rollouts_failed"] == 0
@@ -357,12 +316,14 @@ def test_readme_custom_task_runs_through_task_custom(tmp_path):
     assert json.loads((run_dir / "status.json").read_text())["status"] == "succeeded"
 
 
-@pytest.mark.parametrize("collect_every", [0, 1])
+@pytest.mark.parametrize("collect_every", [0, 4])
 async def test_the_agents_cyclic_garbage_is_collected_every_few_rollouts(tmp_path, collect_every):
     """An openai client made per rollout sits in a reference cycle (with its SSL context, ~0.65 MiB)
     until a full collection, which Python runs rarely with a model loaded; the runtime runs one
     every ``runner.collect_every`` finished rollouts. Automatic collection is off here, so only
-    the runtime's can free them (0: none, the control that the cycle is real)."""
+    the runtime's can free them (0: none, the control that the cycle is real; 4: one, once the
+    4th and last rollout has finished). Replies are 4 tokens (server.default_max_tokens: the agent
+    sends none): their length does not matter here."""
     import gc
 
     import e2e_agents
@@ -375,6 +336,7 @@ async def test_the_agents_cyclic_garbage_is_collected_every_few_rollouts(tmp_pat
             "task.data=e2e_agents:load",
             "runner.n=2",
             f"runner.collect_every={collect_every}",
+            "server.default_max_tokens=4",
         ]
     )
     e2e_agents.CLIENTS.clear()
@@ -396,9 +358,17 @@ async def test_the_agents_cyclic_garbage_is_collected_every_few_rollouts(tmp_pat
 
 async def test_an_async_agent_that_blocks_slows_only_itself(tmp_path, caplog):
     """A sync openai client inside an async agent used to freeze the route (same event loop):
-    the agent's own request could not be answered and timed out. Now it runs, with a warning."""
+    the agent's own request could not be answered and timed out. Now it runs, with a warning.
+    Replies are 4 tokens (server.default_max_tokens: the agent sends none): what blocks is its sleep."""
     cfg = compose_cfg(
-        TINY + ["task=hello", "task.agent=e2e_agents:blocking_async_agent", "task.data=e2e_agents:load", "runner.n=4"]
+        TINY
+        + [
+            "task=hello",
+            "task.agent=e2e_agents:blocking_async_agent",
+            "task.data=e2e_agents:load",
+            "runner.n=4",
+            "server.default_max_tokens=4",
+        ]
     )
     async with Runtime.of(to_typed(cfg), tmp_path) as rt:
         rows = rt.task.load("test")[:4]

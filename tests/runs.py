@@ -1,0 +1,122 @@
+"""The reference run, shared by the exactness, runner-process, logger and report tests, and how tests start
+``harness.py`` as users do.
+
+One fp32 job on the tiny model (so the engine is batch-invariant): a multi-turn agent through the real
+route, 8 concurrent runners, 1 SFT warm-up step then 2 GRPO steps (every kill point of
+tests/crash_points.py is crossed, and the switch from SFT to GRPO), evals before, after the warm-up,
+every 2 steps and at the end. ``runner.max_attempts=1``: a harness death charged to the agent would fail
+its rollout. The same config and seed must end byte-identical however it is run: again, killed and
+resumed, with runner processes, with loggers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RUN = [
+    "model=tiny",
+    "algo=grpo",
+    "progress=false",
+    "runner.max_attempts=1",
+    "task=hello",
+    "seed=3",
+    "task.agent=crash_points:multi_turn_agent",
+    "task.data=crash_points:load",
+    "task.max_tokens=6",
+    "+task.resources.max_turns=2",
+    "task.eval_size=4",
+    "task.final_eval_size=6",  # the baseline and final evals: 6 tasks (eval_all/), the periodic ones the first 4
+    "algo.steps=2",
+    "algo.eval_every=2",
+    "algo.batch_size=2",
+    "algo.group_size=4",
+    "algo.micro_batch_size=4",
+    "algo.lr=1e-2",
+    "algo.warmup.steps=1",
+    "algo.warmup.batch_size=4",
+    "algo.warmup.micro_batch_size=2",
+    "algo.warmup.lr=1e-2",
+]
+IN_PROCESS_RUNNERS = ["runner.n=8"]
+STEPS = 3  # 1 SFT + 2 GRPO
+ROLLOUTS_PER_STEP = 8  # batch_size x group_size
+
+
+def is_cost(name: str) -> bool:
+    """What a process measures about itself, not what the run computed: wall times (time_*, *_s,
+    tokens_per_s), memory (*_mib) and the engine's prefill counter (shared prefills depend on arrival
+    order, and a resumed step reuses finished rollouts)."""
+    return name.startswith("time_") or name.endswith(("_s", "_mib")) or name == "prompt_tokens"
+
+
+class Harness(subprocess.Popen):
+    """A harness process whose output (stdout and stderr, its runner processes' too) goes to a file, never to
+    a pipe: a test that waits on something else would not read the pipe, and a full pipe stops every process
+    writing to it (a loaded machine makes more warnings: the wait would be forever)."""
+
+    def __init__(self, args: list[str], env: dict):
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="agl-harness-", suffix=".log", delete=False)
+        super().__init__(args, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def communicate(self, input=None, timeout: float | None = None) -> tuple[str, None]:  # noqa: A002 (Popen's name)
+        self.wait(timeout=timeout)
+        return self.output(), None
+
+
+def harness(
+    *args: str, kill: str = "", device: str = "cpu", eval_cache: Path | None = None, env: dict | None = None
+) -> Harness:
+    """``python harness.py *args`` in its own process group, on ``device`` (a resumed run keeps the device it
+    was started with: its saved config). ``kill``: a tests/crash_points.py kill point; ``eval_cache``: the
+    eval cache's dir (else the session's, tests/conftest.py, which the reference run fills)."""
+    if not any(a.startswith("resume=") for a in args):
+        args = (*args, f"device={device}")
+    environ = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "tests"), "AGL_TEST_KILL": kill}
+    environ.pop("HYDRA_FULL_ERROR", None)
+    if eval_cache is not None:
+        environ["AGL_EVAL_CACHE"] = str(eval_cache)
+    environ.update(env or {})
+    return Harness([sys.executable, "harness.py", *args], environ)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-3000:]
+    return out
+
+
+def run(run_dir: Path, *extra: str, device: str = "cpu", eval_cache: Path | None = None) -> Path:
+    """The reference job (``RUN`` with in-process runners, then ``extra``) into ``run_dir``."""
+    finish(harness(*RUN, *IN_PROCESS_RUNNERS, *extra, f"hydra.run.dir={run_dir}", device=device, eval_cache=eval_cache))
+    return run_dir
+
+
+def adapter(run_dir: Path) -> bytes:
+    return (run_dir / "adapter" / "adapter_model.safetensors").read_bytes()
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """metrics.jsonl's rows without what a process measures about itself (``is_cost``)."""
+    return [{k: v for k, v in row.items() if not is_cost(k)} for row in all_metrics(run_dir)]
+
+
+def all_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def query(run_dir: Path, sql: str) -> list[tuple]:
+    with sqlite3.connect(run_dir / "store.sqlite", timeout=30) as conn:
+        try:
+            return conn.execute(sql).fetchall()
+        except sqlite3.OperationalError:  # not created yet
+            return []
