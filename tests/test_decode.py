@@ -28,7 +28,7 @@ def prefilled(model, ids, mask):
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
             logits_to_keep=1,
         )
@@ -54,7 +54,7 @@ def decode_both(policy, steps=5):
                     input_ids=tokens[:, None],
                     attention_mask=mask,
                     position_ids=positions[:, None],
-                    past_key_values=cache_model,
+                    cache=cache_model,
                     use_cache=True,
                     logits_to_keep=1,
                 )

@@ -428,7 +428,7 @@ class Engine:
             input_ids=input_ids.to(device),
             attention_mask=mask.to(device),
             position_ids=positions.to(device),
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
             logits_to_keep=1,  # only the last position's logits are sampled from
         )

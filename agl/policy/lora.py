@@ -20,11 +20,24 @@ from agl.errors import ConfigError
 
 
 def find_adapter_dir(adapter: str) -> Path:
-    """Accept an adapter dir itself, or a run dir holding one (``<run>/adapter``)."""
+    """Accept an adapter dir itself, or a run dir holding one (``<run>/adapter``); anything else is one
+    ``ConfigError`` line saying what the path is instead."""
     path = Path(adapter).expanduser()
+    if path.is_file():
+        raise ConfigError(f"model.adapter '{adapter}' is a file, not an adapter dir or a run dir")
     for candidate in (path, path / "adapter"):
         if (candidate / "adapter_config.json").is_file():
+            if not (candidate / "adapter_model.safetensors").is_file():
+                raise ConfigError(
+                    f"model.adapter '{candidate}' has adapter_config.json but no adapter_model.safetensors "
+                    "(an adapter being written, or copied in part)"
+                )
             return candidate
+    if (path / "store.sqlite").is_file():
+        raise ConfigError(
+            f"model.adapter '{adapter}' is a run dir without an adapter yet (its job has not finished: "
+            f"python harness.py resume={adapter})"
+        )
     raise ConfigError(f"model.adapter '{adapter}' holds no adapter_config.json (neither it nor '{path / 'adapter'}')")
 
 

@@ -36,6 +36,8 @@ HARNESS_ENDS = {  # attempts.metadata.harness_ended -> how the failures table sh
 
 def report(target: str | Path) -> dict:
     path = Path(str(target)).expanduser()
+    if not path.exists():
+        raise ConfigError(f"report='{target}' does not exist")
     if not path.is_dir():
         raise ConfigError(f"report='{target}' is not a directory")
     if (path / "store.sqlite").is_file():

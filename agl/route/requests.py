@@ -81,6 +81,16 @@ def model_not_found(model: str, served: Sequence[str]) -> APIError:
     return APIError(404, message, "invalid_request_error", "model", "model_not_found")
 
 
+def request_too_large(size: str, limit: int) -> APIError:
+    return APIError(
+        413,
+        f"The request body ({size}) is larger than this route accepts: {limit} bytes (server.max_request_bytes).",
+        "invalid_request_error",
+        None,
+        "request_too_large",
+    )
+
+
 def unauthorized(message: str = "Missing or invalid API key (expected 'Authorization: Bearer <key>').") -> APIError:
     return APIError(401, message, "authentication_error", None, "invalid_api_key")
 

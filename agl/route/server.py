@@ -53,7 +53,12 @@ Choices worth knowing:
     responses (``store``, the default) stay in memory, the last ``server.stored_responses``, for
     ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``, on the route that made them.
   - A client that disconnects cancels its sequences; nothing is recorded for it.
-  - With ``api_key`` set, every route but ``GET /health`` needs ``Authorization: Bearer <key>``.
+  - With ``api_key`` set, every route but ``GET /health`` needs ``Authorization: Bearer <key>``. A
+    non-loopback ``host`` without one is refused unless ``allow_public`` (``check_server_exposure``).
+  - Limits (docs/reliability.md): a request body over ``max_request_bytes`` (4 MiB) is a 413,
+    refused while it arrives; ``max_tokens`` past the context length (prompt included) is a 400
+    (``context_length_exceeded``), and so is a prompt that fills it; ``n`` is at most the engine's
+    batch, ``top_logprobs`` at most 20, ``stop`` at most 16 strings.
 """
 
 from __future__ import annotations
@@ -75,7 +80,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agl.config import ServerConfig, typed
+from agl.config import ServerConfig, check_server_exposure, typed
 from agl.policy.engine import SamplingParams
 from agl.route import tool_prompt
 from agl.route.output import Delta, OutputAssembler
@@ -91,6 +96,7 @@ from agl.route.requests import (
     model_not_found,
     not_found,
     parse_request,
+    request_too_large,
     unauthorized,
 )
 from agl.route.response_models import Answer, ModelCard, ModelList
@@ -137,7 +143,8 @@ class ModelServer:
     ):
         config = typed(
             ServerConfig, config or {}
-        )  # server.*: host, port, api_key, default_max_tokens, history and response store sizes
+        )  # server.*: host, port, api_key, default_max_tokens, history and response store sizes, body size cap
+        check_server_exposure(config)  # a public address needs a key (or server.allow_public)
         self.engine = engine
         self.policy = policy
         self.store = store
@@ -145,6 +152,7 @@ class ModelServer:
         self.port = config.port  # 0 until start() binds a free one
         self.api_key = config.api_key
         self.default_max_tokens = config.default_max_tokens
+        self.max_request_bytes = config.max_request_bytes
         self.seed = seed  # the run seed: rollout calls without a seed of their own derive one from it
         # frozen helper models: name -> an engine sampling the base model (adapter off; agl.policy.sampler_weights)
         self.frozen = dict(frozen or {})
@@ -244,6 +252,21 @@ class ModelServer:
 
         return app
 
+    async def read_body(self, request: Request) -> bytes:
+        """The request body, refused with a 413 once it passes ``server.max_request_bytes``: a declared
+        Content-Length at once, a chunked body as soon as it has sent that much (never held whole)."""
+        limit = self.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise request_too_large(f"{int(declared)} bytes", limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise request_too_large(f"over {limit} bytes", limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def _authorize(self, request: Request) -> None:
         if self.api_key is not None:
             given = request.headers.get("authorization", "")
@@ -268,7 +291,7 @@ class ModelServer:
 
     async def _chat(self, request: Request) -> Response:
         received_at, received_wall = time.perf_counter(), time.time()
-        req = parse_request(ChatCompletionRequest, await request.body())
+        req = parse_request(ChatCompletionRequest, await self.read_body(request))
         self._check_model(req.model)
         scope, seed = await self._check_scope(request, req.seed)
         call = await self._chat_call(req, scope, seed, received_at, received_wall)
@@ -316,7 +339,7 @@ class ModelServer:
 
     async def _completions(self, request: Request) -> Response:
         received_at, received_wall = time.perf_counter(), time.time()
-        req = parse_request(CompletionRequest, await request.body())
+        req = parse_request(CompletionRequest, await self.read_body(request))
         self._check_model(req.model)
         scope, seed = await self._check_scope(request, req.seed)
         if isinstance(req.prompt, str):
