@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from agl.route.requests import (
     MAX_SEED,
@@ -162,12 +162,21 @@ class AllowedToolsChoice(_Lenient):
     tools: list[FunctionChoice] = Field(min_length=1)
 
 
+def _something_to_respond_to(schema: dict) -> None:
+    """``to_chat_request``'s check in JSON schema terms (the route's OpenAPI document, ``agl.route.openapi``)."""
+    schema["anyOf"] = [
+        {"properties": {"input": {"type": ["string", "array"], "minItems": 1}}, "required": ["input"]},
+        {"properties": {"instructions": {"type": "string"}}, "required": ["instructions"]},
+    ]
+
+
 class ResponsesRequest(_Lenient):
     """``POST /v1/responses``. Fields OpenAI accepts that change nothing here (``user``,
     ``reasoning``, ``truncation``, ``prompt_cache_key``, ``service_tier``, ``max_tool_calls``,
     ``stream_options``, ``text`` ...) are accepted and ignored; ones that would change the
     answer and cannot be honoured (``background``, ``conversation``, ``prompt``) are a 400."""
 
+    model_config = ConfigDict(json_schema_extra=_something_to_respond_to)
     model: Optional[str] = None
     input: Union[str, list[Any], None] = None  # items are parsed by parse_items (params name their index)
     instructions: Optional[str] = None

@@ -83,6 +83,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from agl.config import ServerConfig, check_server_exposure, typed
 from agl.policy.engine import SamplingParams
 from agl.route import tool_prompt
+from agl.route.openapi import openapi_document, route_docs
 from agl.route.output import Delta, OutputAssembler
 from agl.route.recording import Call, Choice, Recorder
 from agl.route.rendering import History, decode, render_prompt, template_messages
@@ -218,17 +219,29 @@ class ModelServer:
     # ------------------------------------------------------------------ app
 
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="agl model route", docs_url=None, redoc_url=None, openapi_url=None)
+        app = FastAPI(
+            title="agl model route",
+            version="v1",
+            description="OpenAI-compatible; under /rollout/{rollout_id}/attempt/{attempt_id}/v1 calls are recorded.",
+            docs_url=None,
+            redoc_url=None,
+            openapi_url="/openapi.json",  # agl.route.openapi: the request and response models' schemas
+        )
+        app.openapi = functools.partial(openapi_document, app)
         router = APIRouter(dependencies=[Depends(self._authorize)])
-        router.add_api_route("/models", self._models, methods=["GET"])
-        router.add_api_route("/chat/completions", self._chat, methods=["POST"])
-        router.add_api_route("/completions", self._completions, methods=["POST"])
-        router.add_api_route("/responses", self.responses.create, methods=["POST"])
-        router.add_api_route("/responses/{response_id}", self.responses.get, methods=["GET"])
-        router.add_api_route("/responses/{response_id}", self.responses.delete, methods=["DELETE"])
+        router.add_api_route("/models", self._models, methods=["GET"], **route_docs("models"))
+        router.add_api_route("/chat/completions", self._chat, methods=["POST"], **route_docs("chat"))
+        router.add_api_route("/completions", self._completions, methods=["POST"], **route_docs("completions"))
+        router.add_api_route("/responses", self.responses.create, methods=["POST"], **route_docs("responses"))
+        router.add_api_route(
+            "/responses/{response_id}", self.responses.get, methods=["GET"], **route_docs("get_response")
+        )
+        router.add_api_route(
+            "/responses/{response_id}", self.responses.delete, methods=["DELETE"], **route_docs("delete_response")
+        )
         app.include_router(router, prefix="/v1")
         app.include_router(router, prefix="/rollout/{rollout_id}/attempt/{attempt_id}/v1")
-        app.add_api_route("/health", self._health, methods=["GET"])
+        app.add_api_route("/health", self._health, methods=["GET"], **route_docs("health"))
 
         @app.exception_handler(APIError)
         async def _api_error(request: Request, exc: APIError) -> JSONResponse:
