@@ -669,7 +669,9 @@ def test_disconnected_clients_free_their_slots(served):
         http.post(url, json=long)
     assert served.idle(), "a client that timed out still holds its slot"
     assert served.spans(rid, aid) == []  # nothing the agent never saw is recorded
-    assert not any(stored.scope == (rid, aid) for stored in served.server.responses._responses.values())  # or stored
+    assert not any(
+        stored.scope == (rid, aid) for stored in served.server.responses.stored._responses.values()
+    )  # or stored
 
 
 text = st.text(alphabet=st.characters(codec=None, exclude_categories=()), max_size=8)

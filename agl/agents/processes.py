@@ -24,7 +24,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-HARNESS = Path(__file__).resolve().parents[1] / "harness.py"
+HARNESS = Path(__file__).resolve().parents[2] / "harness.py"
 
 
 class RunnerProcessesExited(RuntimeError):

@@ -167,9 +167,7 @@ class ResponsesEndpoint:
             )
             yield event(ResponseEvent(type="response.created", response=opening))
             yield event(ResponseEvent(type="response.in_progress", response=opening))
-            async with contextlib.aclosing(
-                interleaved([functools.partial(self._run_response, call, builder)])
-            ) as batches:
+            async with contextlib.aclosing(interleaved([functools.partial(self._run, call, builder)])) as batches:
                 async for batch in batches:
                     for body in batch:
                         yield event(body)
