@@ -195,9 +195,9 @@ class ResponsesRequest(_Lenient):
     text: Optional[dict[str, Any]] = None
     max_tool_calls: Optional[int] = None
     truncation: Optional[Literal["auto", "disabled"]] = None
-    background: Optional[bool] = None
-    conversation: Any = None
-    prompt: Any = None
+    background: Optional[bool] = Field(default=None, json_schema_extra={"enum": [False, None]})  # refused below
+    conversation: Any = Field(default=None, json_schema_extra={"type": "null"})
+    prompt: Any = Field(default=None, json_schema_extra={"type": "null"})
     seed: Optional[int] = Field(default=None, ge=0, le=MAX_SEED)  # extension, as in chat
 
     @field_validator("tools", mode="before")

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, TypeVar
 
 import agl.store.txn as txn
+from agl.errors import ConfigError
 from agl.store.overdue import NOTHING_OVERDUE, OverdueView
 from agl.types import Attempt
 
@@ -52,12 +53,55 @@ Synchronous = Literal["NORMAL", "FULL"]
 T = TypeVar("T")
 
 
+SQLITE_HEADER = b"SQLite format 3\x00"
+DAMAGE_CODES = (11, 26)  # SQLITE_CORRUPT, SQLITE_NOTADB (primary result codes)
+
+
+class StoreDamaged(ConfigError):
+    """The store file is damaged (truncated, overwritten, not SQLite). One line, naming the file and what
+    to do; agl never writes over it (a new store there would silently start the run over)."""
+
+    def __init__(self, path: Path, what: str):
+        super().__init__(
+            f"{path} is damaged ({what}); agl does not write over it: restore it from a copy, or move it "
+            f"aside (mv {path} {path}.damaged) and run again to start over"
+        )
+
+
+def is_damage(error: sqlite3.DatabaseError) -> bool:
+    return (getattr(error, "sqlite_errorcode", 0) or 0) & 0xFF in DAMAGE_CODES
+
+
+def check_file(path: Path) -> None:
+    """Refuse a store file that is visibly damaged before SQLite opens it: a header that is not SQLite's,
+    or a file shorter than its header says with no WAL file to hold the rest (truncated). An empty file is
+    a new store, as SQLite has it. Damage inside the pages is found when they are read (``Db``)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return
+    if size == 0:
+        return
+    with open(path, "rb") as f:
+        header = f.read(100)
+    if len(header) < 100 or not header.startswith(SQLITE_HEADER):
+        raise StoreDamaged(path, "not an SQLite database: its header is gone")
+    page_size = int.from_bytes(header[16:18], "big")
+    page_size = 65536 if page_size == 1 else page_size
+    pages = int.from_bytes(header[28:32], "big")
+    counted = header[24:28] == header[92:96]  # the header's page count is valid (SQLite's own rule)
+    wal = path.with_name(path.name + "-wal")
+    if counted and size < pages * page_size and not (wal.exists() and wal.stat().st_size > 0):
+        raise StoreDamaged(path, f"truncated: {size} bytes of the {pages * page_size} its header counts")
+
+
 def schema_sql() -> str:
     return resources.files("agl.store").joinpath("schema.sql").read_text()
 
 
 def connect(path: Path, *, readonly: bool, busy_timeout: float, synchronous: Synchronous) -> sqlite3.Connection:
     """Open the store file with the pragmas the store relies on; create it if writable."""
+    check_file(path)
     if readonly:
         if not path.exists():
             raise FileNotFoundError(f"no store at {path}")
@@ -248,13 +292,25 @@ class Db:
 
     def connect(self) -> None:
         """Open the file, with its schema installed (writable) or checked (read-only)."""
-        self.conn = connect(
-            self.path, readonly=self.readonly, busy_timeout=self.busy_timeout, synchronous=self.synchronous
-        )
-        if self.readonly:
-            check_schema(self.conn)
-        else:
-            install_schema(self.conn)
+        with self.damage_named():
+            self.conn = connect(
+                self.path, readonly=self.readonly, busy_timeout=self.busy_timeout, synchronous=self.synchronous
+            )
+            if self.readonly:
+                check_schema(self.conn)
+            else:
+                install_schema(self.conn)
+
+    @contextmanager
+    def damage_named(self) -> Iterator[None]:
+        """SQLite's word for a damaged file (``database disk image is malformed``, ``file is not a database``),
+        from wherever it is found, as ``StoreDamaged``: one line naming the file."""
+        try:
+            yield
+        except sqlite3.DatabaseError as error:
+            if is_damage(error):
+                raise StoreDamaged(self.path, str(error)) from None
+            raise
 
     def close_connection(self) -> None:
         if self.conn is not None:
@@ -276,7 +332,8 @@ class Db:
             self.check_writable()
         else:
             self.check_open()
-        return await self.worker.run(fn, *args)
+        with self.damage_named():
+            return await self.worker.run(fn, *args)
 
     def write_sync(self, fn: Callable[..., T], *args: Any) -> T:
         tx = txn.Tx(self.conn, self.clock(), self.session_id)
@@ -298,7 +355,8 @@ class Db:
         """Run `fn(tx, *args)` in one write transaction on the worker thread;
         `durable=True` flushes its commit to disk whatever `synchronous` is."""
         self.check_writable()
-        return await self.worker.run(self.durable_write_sync if durable else self.write_sync, fn, *args)
+        with self.damage_named():
+            return await self.worker.run(self.durable_write_sync if durable else self.write_sync, fn, *args)
 
     def read_sync(self, fn: Callable[..., T], *args: Any) -> T:
         if not self.readonly:
@@ -309,7 +367,8 @@ class Db:
     async def read(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(conn, *args)` in one read transaction (a consistent snapshot)."""
         self.check_open()
-        return await self.worker.run(self.read_sync, fn, *args)
+        with self.damage_named():
+            return await self.worker.run(self.read_sync, fn, *args)
 
     def expire_due(self) -> list[Attempt]:
         """R6 now: one probe of the deadline index when nothing is due."""

@@ -224,10 +224,11 @@ class SqliteStore:
         self._db.connect()
         if self.readonly:
             return
-        with db.write_transaction(self._db.conn):
-            self.session = sessions.register(self._db.conn, self.session)  # type: ignore[arg-type]
-        self._db.session_id = self.session.session_id
-        self._watch.reap_dead_sessions_sync()
+        with self._db.damage_named():
+            with db.write_transaction(self._db.conn):
+                self.session = sessions.register(self._db.conn, self.session)  # type: ignore[arg-type]
+            self._db.session_id = self.session.session_id
+            self._watch.reap_dead_sessions_sync()
 
     # A store is dropped the way kill -9 would drop it (tests/store_helpers.abandon) through these.
     @property
