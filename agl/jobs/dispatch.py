@@ -10,6 +10,7 @@ written to ``error.log``, and the sweep goes on.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import importlib
@@ -26,7 +27,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from agl.config import Config, check_server_exposure, config_record, to_typed, with_schema
-from agl.errors import ConfigError
+from agl.errors import ConfigError, DiskFull, disk_full_in
 from agl.jobs.launchers import apply_threads
 from agl.jobs.run_lock import RunDirBusy, holding_run_dir
 from agl.report.loggers import run_loggers
@@ -183,6 +184,15 @@ def _run_held(cfg: DictConfig, config: Config, name: str, run_dir: Path, multiru
         ):  # logger=: metrics.jsonl's rows also to tensorboard / wandb
             result = job_function(name)(config, run_dir)
     except (Exception, SystemExit) as error:
+        full = disk_full_in(error)
+        if full is not None:  # one line, and no more writes than can fail: the run resumes from its store
+            error = DiskFull(full.path, run_dir)
+            with contextlib.suppress(OSError, DiskFull):
+                write_status(run_dir, "failed", error=str(error), ended=time.time(), duration_s=time.time() - started)
+            if not multirun:
+                raise error from None
+            log.error("job stopped, the sweep goes on: %s", error)
+            return None
         draw_curves(run_dir)  # what a failed job had logged
         trace = traceback.format_exc()
         (run_dir / "error.log").write_text(trace)

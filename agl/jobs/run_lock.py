@@ -27,6 +27,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from agl.errors import disk_full_named
+
 LOCK_FILE = "job.lock"
 
 
@@ -59,8 +61,9 @@ def holding_run_dir(run_dir: Path) -> Iterator[None]:
             "started": time.time(),
             "command": " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv))[:300],
         }
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(mine) + "\n").encode(), 0)
+        with disk_full_named(path):
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(mine) + "\n").encode(), 0)
         yield
     finally:
         os.close(fd)  # releases the lock (the kernel would, too, if the process died first)

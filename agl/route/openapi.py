@@ -103,7 +103,7 @@ ERRORS = {
     404: "Unknown model, rollout, attempt or stored response",
     409: "The attempt already finished",
     413: "The request body is over server.max_request_bytes",
-    503: "The engine stopped before the request finished",
+    503: "The engine stopped before the request finished, or the run's disk is full (code disk_full)",
 }
 
 

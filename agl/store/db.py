@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, TypeVar
 
 import agl.store.txn as txn
-from agl.errors import ConfigError
+from agl.errors import ConfigError, DiskFull
 from agl.store.overdue import NOTHING_OVERDUE, OverdueView
 from agl.types import Attempt
 
@@ -55,6 +55,7 @@ T = TypeVar("T")
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 DAMAGE_CODES = (11, 26)  # SQLITE_CORRUPT, SQLITE_NOTADB (primary result codes)
+FULL_CODE = 13  # SQLITE_FULL: the disk (or a quota) is full; the failed transaction was rolled back
 
 
 class StoreDamaged(ConfigError):
@@ -70,6 +71,10 @@ class StoreDamaged(ConfigError):
 
 def is_damage(error: sqlite3.DatabaseError) -> bool:
     return (getattr(error, "sqlite_errorcode", 0) or 0) & 0xFF in DAMAGE_CODES
+
+
+def is_full(error: sqlite3.DatabaseError) -> bool:
+    return (getattr(error, "sqlite_errorcode", 0) or 0) & 0xFF == FULL_CODE
 
 
 def check_file(path: Path) -> None:
@@ -100,8 +105,18 @@ def schema_sql() -> str:
 
 
 def connect(path: Path, *, readonly: bool, busy_timeout: float, synchronous: Synchronous) -> sqlite3.Connection:
-    """Open the store file with the pragmas the store relies on; create it if writable."""
+    """Open the store file with the pragmas the store relies on; create it if writable. A damaged file is
+    ``StoreDamaged``, found before SQLite opens it (``check_file``) or by the first pragma that reads it."""
     check_file(path)
+    try:
+        return _connect(path, readonly=readonly, busy_timeout=busy_timeout, synchronous=synchronous)
+    except sqlite3.DatabaseError as error:
+        if is_damage(error):
+            raise StoreDamaged(path, str(error)) from None
+        raise
+
+
+def _connect(path: Path, *, readonly: bool, busy_timeout: float, synchronous: Synchronous) -> sqlite3.Connection:
     if readonly:
         if not path.exists():
             raise FileNotFoundError(f"no store at {path}")
@@ -288,6 +303,7 @@ class Db:
         self.conn: Any = None
         self.session_id: Optional[str] = None  # set once the store's session is registered
         self.closed = False
+        self.full = False  # a write found the disk full: every later operation says so (DiskFull)
         self.worker = Worker("agl-store")
 
     def connect(self) -> None:
@@ -304,12 +320,18 @@ class Db:
     @contextmanager
     def damage_named(self) -> Iterator[None]:
         """SQLite's word for a damaged file (``database disk image is malformed``, ``file is not a database``),
-        from wherever it is found, as ``StoreDamaged``: one line naming the file."""
+        from wherever it is found, as ``StoreDamaged``: one line naming the file. A full disk (``SQLITE_FULL``)
+        is ``DiskFull``, and it sticks: from then on every operation raises it without touching the file, so
+        nothing that followed a lost write (an attempt failed because its span could not be stored) commits
+        once a little space turns up. The job stops; a resume starts from what did commit."""
         try:
             yield
         except sqlite3.DatabaseError as error:
             if is_damage(error):
                 raise StoreDamaged(self.path, str(error)) from None
+            if is_full(error):
+                self.full = True
+                raise DiskFull(self.path) from None
             raise
 
     def close_connection(self) -> None:
@@ -320,6 +342,8 @@ class Db:
     def check_open(self) -> None:
         if self.closed:
             raise RuntimeError(f"store {self.path} is closed")
+        if self.full:
+            raise DiskFull(self.path)
 
     def check_writable(self) -> None:
         self.check_open()

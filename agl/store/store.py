@@ -258,7 +258,7 @@ class SqliteStore:
 
     def _close_sync(self) -> None:
         try:
-            if not self.readonly and self._db.conn is not None:
+            if not self.readonly and self._db.conn is not None and not self._db.full:  # full: as after kill -9
                 self._db.write_sync(self._end_session_tx)
         finally:
             self._close_connection()
