@@ -1,7 +1,7 @@
 """A soak: many rollouts through the route and the runners, watching what a long run would leak.
 
     PYTHONPATH=. python bench/soak.py --rollouts 2000            # a short check (minutes)
-    PYTHONPATH=. python bench/soak.py --rollouts 20000 --warmup 2000   # the full soak (BENCHMARKS.md)
+    PYTHONPATH=. python bench/soak.py --rollouts 26000 --warmup 6000   # the full soak (BENCHMARKS.md)
 
 One process as a job runs it (``agl.runtime.Runtime``): the store, the tiny policy's engine, the route and
 64 runners (``--runners``), whose agents (bench/soak_agent.py) hold multi-turn chats with a tool, 1 row in
@@ -188,7 +188,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=None, help="rollouts before the targets apply (default: 10 %%)")
     parser.add_argument("--runners", type=int, default=64)
     parser.add_argument("--round", type=int, default=128, help="rollouts between samples")
-    parser.add_argument("--timeout", type=int, default=5, help="seconds per attempt (the hanging rows' end)")
+    parser.add_argument("--timeout", type=int, default=30, help="seconds per attempt (the hanging rows' end)")
     parser.add_argument("--suffix", default="", help="results file suffix: soak{suffix}.json")
     parser.add_argument("--run-dir", default=None, help="where the store goes (default: a fresh dir under /tmp)")
     parser.add_argument("--from-json", default=None, help="recompute the verdict, table and plot of a saved soak")
