@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import threading
 
 import httpx
@@ -187,7 +188,10 @@ def send(route: LiveRoute, case, scope: tuple[str, str] | None):
 
 
 def sse_events(response) -> list:
-    return [line[len("data: ") :] for line in response.text.splitlines() if line.startswith("data: ")]
+    """The data lines of a stream. SSE breaks lines at CR / LF only: str.splitlines would also break inside the
+    JSON at U+2028, U+0085 and the like, which the route sends as they are."""
+    lines = re.split(r"\r\n|\r|\n", response.text)
+    return [line[len("data: ") :] for line in lines if line.startswith("data: ")]
 
 
 def check_stream(response, path: str) -> list[dict]:
