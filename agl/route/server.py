@@ -53,7 +53,8 @@ Choices worth knowing:
     responses (``store``, the default) stay in memory, the last ``server.stored_responses``, for
     ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``, on the route that made them.
   - A client that disconnects cancels its sequences; nothing is recorded for it.
-  - With ``api_key`` set, every route but ``GET /health`` needs ``Authorization: Bearer <key>``. A
+  - With ``api_key`` set, every route but ``GET /health`` and ``GET /openapi.json`` (the document of
+    the API, ``agl.route.openapi``) needs ``Authorization: Bearer <key>``. A
     non-loopback ``host`` without one is refused unless ``allow_public`` (``check_server_exposure``).
   - Limits (docs/reliability.md): a request body over ``max_request_bytes`` (4 MiB) is a 413,
     refused while it arrives; ``max_tokens`` past the context length (prompt included) is a 400
