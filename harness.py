@@ -5,6 +5,7 @@ Resume a run in place with `python harness.py resume=<run dir>`; summarize one (
 with `python harness.py report=<dir>`. Sweeps: `python harness.py -m algo.lr=1e-5,3e-5 ...`.
 """
 
+import logging
 import os
 import sys
 
@@ -57,6 +58,9 @@ register_configs()  # the typed schemas conf/'s defaults lists name (agl/config/
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
 def main(cfg: DictConfig) -> object:
+    # Python's advice for programs: a log line that cannot be written (the run dir's harness.log on a full
+    # disk) is dropped, not printed as a traceback; the job itself says what failed (agl.errors.DiskFull).
+    logging.raiseExceptions = False
     # A launcher's worker process (submitit's) runs this function without running this file: put the
     # checkout on sys.path there too, as `python harness.py` does, so tasks/ (task=hello, ...) imports.
     if ROOT not in sys.path:

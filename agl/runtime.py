@@ -39,7 +39,7 @@ from agl.config import (
     config_record,
     typed,
 )
-from agl.errors import ConfigError
+from agl.errors import ConfigError, DiskFull
 from agl.memory import collect
 from agl.policy.device import deterministic_kernels
 from agl.policy.engine import Engine
@@ -182,7 +182,9 @@ class Runtime:
         if self.processes is not None:
             await self.processes.stop_watching()  # from here on their exits are expected
         if self._published:
-            await self.store.set_run_info(RUNNERS_KEY, None)
+            # a full disk cannot take this write either; the route stops below, which attached runners notice
+            with contextlib.suppress(DiskFull):
+                await self.store.set_run_info(RUNNERS_KEY, None)
         if self.runners is not None:
             await self.runners.__aexit__(None, None, None)
         for part in (self.server, self.engine, self.frozen_engine):

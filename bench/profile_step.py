@@ -54,7 +54,7 @@ def decode_steps(model, steps: int, profile: bool = False) -> float:
             input_ids=torch.randint(100, 40000, (BATCH, 1), generator=gen),
             attention_mask=mask,
             position_ids=torch.full((BATCH, 1), mask.shape[1] - 1),
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
             logits_to_keep=1,
         )
@@ -63,7 +63,7 @@ def decode_steps(model, steps: int, profile: bool = False) -> float:
     with torch.inference_mode():
         model(
             input_ids=torch.randint(100, 40000, (BATCH, PROMPT), generator=gen),
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
             logits_to_keep=1,
         )

@@ -109,3 +109,45 @@ async def store(path: Path, clock: FakeClock):
     s = SqliteStore(path, clock=clock, watchdog_interval=None)
     yield s
     await s.close()
+
+
+# A small finished GRPO run (harness.py in a subprocess): a multi-turn agent through the route, a checkpoint per
+# step. Read-only for its users: a test that damages or extends it works on a copy (shutil.copytree).
+TINY_GRPO_RUN = [
+    "model=tiny",
+    "algo=grpo",
+    "progress=false",
+    "runner.n=8",
+    "task=hello",
+    "seed=3",
+    "task.agent=crash_points:multi_turn_agent",
+    "task.data=crash_points:load",
+    "task.max_tokens=6",
+    "+task.resources.max_turns=2",
+    "task.eval_size=4",
+    "algo.steps=3",
+    "algo.eval_every=2",
+    "algo.batch_size=2",
+    "algo.group_size=4",
+    "algo.micro_batch_size=4",
+]
+
+
+def run_harness(*args: str, timeout: float = 300):
+    """``python harness.py *args`` from the checkout, tests/ importable (the agents above live there)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(root / "tests")}
+    return subprocess.run(
+        [sys.executable, "harness.py", *args], cwd=root, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_grpo_run(tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("tiny-grpo") / "run"
+    result = run_harness(*TINY_GRPO_RUN, f"hydra.run.dir={run_dir}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return run_dir

@@ -59,3 +59,20 @@ def client_per_rollout_agent(task: dict, llm: agl.LLM, prompt_template: str, **_
 
 def load(split: str) -> list[dict]:
     return [{"id": f"{split}-{i}", "question": f"Question number {i}?"} for i in range(16)]
+
+
+_PACED = {"calls": 0}
+
+
+def paced_hello_agent(task: dict, llm: agl.LLM, prompt_template: str, **kwargs: object) -> float:
+    """The hello agent, slowed down after ``AGL_TEST_FAST_ROLLOUTS`` rollouts in this process by
+    ``AGL_TEST_SLOW_S`` seconds each (unset: never): a job that stays busy in a chosen step, for as long
+    as a test needs another process to act beside it."""
+    import os
+
+    from tasks.hello.agent import hello_agent
+
+    _PACED["calls"] += 1
+    if _PACED["calls"] > int(os.environ.get("AGL_TEST_FAST_ROLLOUTS", "1000000000")):
+        time.sleep(float(os.environ.get("AGL_TEST_SLOW_S", "0")))
+    return hello_agent(task, llm, prompt_template, **kwargs)

@@ -31,7 +31,7 @@ def prefilled(model, ids, mask):
             input_ids=ids.to(model.device),
             attention_mask=mask.to(model.device),
             position_ids=positions.to(model.device),
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
             logits_to_keep=1,
         )
@@ -58,7 +58,7 @@ def decode_both(policy, steps=5):
                     input_ids=tokens[:, None].to(device),
                     attention_mask=mask.to(device),
                     position_ids=positions[:, None].to(device),
-                    past_key_values=cache_model,
+                    cache=cache_model,
                     use_cache=True,
                     logits_to_keep=1,
                 )

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agl.policy.engine import draw
+from agl.policy.engine import _top_p_filter, draw
 
 
 @given(
@@ -34,3 +34,17 @@ def test_unnormalized_rows_are_sampled_by_their_own_mass():
     # a top-p filtered row no longer sums to 1: [0.3, 0, 0.3] means half and half
     tokens = draw(torch.tensor([[0.3, 0.0, 0.3]] * 4), torch.tensor([0.0, 0.49, 0.51, 0.999], dtype=torch.float64))
     assert tokens.tolist() == [0, 0, 2, 2]
+
+
+@given(
+    top_p=st.one_of(st.just(5e-324), st.just(1e-45), st.floats(0.0, 1.0, exclude_min=True)),
+    logits=st.lists(st.floats(-20, 20), min_size=1, max_size=30),
+)
+@settings(max_examples=200, deadline=None)
+def test_a_nucleus_always_holds_the_most_likely_token(top_p, logits):
+    """top_p=5e-324 is 0 in float32: the filter kept no token, and the draw went past the vocabulary."""
+    probs = torch.softmax(torch.tensor([logits]), dim=-1)
+    kept = _top_p_filter(probs, torch.tensor([top_p]))
+    assert kept[0, probs[0].argmax()] > 0
+    token = int(draw(kept, torch.tensor([0.5], dtype=torch.float64))[0])
+    assert 0 <= token < len(logits) and kept[0, token] > 0

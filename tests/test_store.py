@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from store_helpers import PYTHON, REPO, WORKER, FakeClock, check_invariants
 
-from agl.store import ReadOnlyStoreError, SqliteStore
+from agl.store import ReadOnlyStoreError, SqliteStore, StoreDamaged
 from agl.types import UNSET, AttemptStatus, RolloutConfig, RolloutStatus, Span
 
 asyncio_test = pytest.mark.asyncio
@@ -558,10 +558,11 @@ async def test_async_open_and_bad_files(path: Path, tmp_path: Path):
     await reader.close()
     junk = tmp_path / "junk.sqlite"
     junk.write_bytes(b"not a database" * 100)
-    with pytest.raises(sqlite3.DatabaseError):
+    with pytest.raises(StoreDamaged, match=f"^{junk} is damaged \\(not an SQLite database"):  # one line, never reused
         await SqliteStore.open(junk)
-    with pytest.raises(sqlite3.DatabaseError):
+    with pytest.raises(StoreDamaged):
         SqliteStore(junk)
+    assert junk.read_bytes() == b"not a database" * 100
 
 
 @asyncio_test

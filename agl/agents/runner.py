@@ -38,6 +38,7 @@ from typing import Any
 
 from agl.agents.api import LLM, RolloutContext, call_agent
 from agl.config import NO_API_KEY
+from agl.errors import DiskFull
 from agl.types import AttemptedRollout, AttemptStatus, Span
 
 log = logging.getLogger(__name__)
@@ -94,9 +95,13 @@ class Runner:
         self._resources_cache: dict[str, dict] = {}
 
     async def run_forever(self) -> None:
-        while True:
-            if not await self.run_one():
-                await asyncio.sleep(self.poll_interval)
+        """Run rollouts until cancelled; a full disk ends this runner (the job stops on the same error)."""
+        try:
+            while True:
+                if not await self.run_one():
+                    await asyncio.sleep(self.poll_interval)
+        except DiskFull:
+            return
 
     async def run_one(self) -> bool:
         """Dequeue and run one rollout; False when the queue was empty."""

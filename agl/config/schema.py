@@ -18,6 +18,8 @@ No torch here: ``harness.py`` registers these before every job, ``report=`` incl
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
+import socket
 from collections.abc import Mapping
 from dataclasses import field
 from typing import Any, Optional
@@ -72,9 +74,11 @@ class EngineConfig:
 class ServerConfig:
     """``server.*``: the OpenAI-compatible route agents call (agl/route/server.py)."""
 
-    host: str = "127.0.0.1"
+    host: str = "127.0.0.1"  # a non-loopback address needs api_key (or allow_public): check_server_exposure
     port: int = 0  # 0: a free port
     api_key: Optional[str] = None  # set to require "Authorization: Bearer <key>"
+    allow_public: bool = False  # serve a non-loopback host without api_key (anyone who reaches it may call it)
+    max_request_bytes: int = 4 * 1024 * 1024  # a larger request body is a 413, refused before it is held whole
     frozen_models: list[str] = field(default_factory=lambda: ["base"])  # names served as the base model (adapter off)
     default_max_tokens: int = 1024  # for a call that gives no max_tokens (rollouts normally carry their algo's)
     history_attempts: int = 256  # attempts whose recent turns the route keeps in memory for prefix reuse (LRU)
@@ -90,6 +94,32 @@ class EvalCacheConfig:
     # any: reuse every row whose key matches | exact: only rows a batch-invariant engine computed (bit-for-bit
     # replays; a bf16 batched job then recomputes its evals) | off: neither read nor write
     reuse: str = "any"
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback interface only (127.0.0.0/8, ::1, or a name resolving to
+    nothing else). An empty host, a wildcard (0.0.0.0, ::) or a name that does not resolve is not."""
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        resolved = {info[4][0].split("%")[0] for info in socket.getaddrinfo(host, None)} if host else set()
+    except (OSError, UnicodeError):
+        return False
+    return bool(resolved) and all(ipaddress.ip_address(address).is_loopback for address in resolved)
+
+
+def check_server_exposure(server: Any) -> None:
+    """Refuse a route on a non-loopback address without a key: it would serve (and, in training, record
+    the traffic of) anyone who can reach the machine. ``server.api_key`` or ``server.allow_public=true`` opts in."""
+    if server.api_key or server.allow_public or is_loopback(server.host):
+        return
+    raise ConfigError(
+        f"server.host={server.host} is not a loopback address and server.api_key is not set, so anyone who can "
+        "reach this machine could call the route: set server.api_key=<secret> (clients send it as the Bearer "
+        "token), or server.allow_public=true to serve it without a key"
+    )
 
 
 def client_api_key(server: Any) -> str:

@@ -1,7 +1,8 @@
 """Dispatch a composed config to the job its `algo.name` names.
 
 ``run_job`` also owns what every job shares: ``report=`` (no model, dispatched first),
-``resume=``, and the run dir's ``status.json`` (running / succeeded / failed). A run dir
+``resume=``, the run dir's lock (``agl.jobs.run_lock``: one live job per run dir; a second is
+refused, or skipped in a sweep) and its ``status.json`` (running / succeeded / failed). A run dir
 whose status is ``succeeded`` is skipped; any other existing run dir is resumed from its
 store. In a sweep (Hydra multirun) a failing job is recorded as failed, its traceback
 written to ``error.log``, and the sweep goes on.
@@ -9,6 +10,7 @@ written to ``error.log``, and the sweep goes on.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import importlib
@@ -24,9 +26,10 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from agl.config import Config, config_record, to_typed, with_schema
-from agl.errors import ConfigError
+from agl.config import Config, check_server_exposure, config_record, to_typed, with_schema
+from agl.errors import ConfigError, DiskFull, disk_full_in
 from agl.jobs.launchers import apply_threads
+from agl.jobs.run_lock import RunDirBusy, holding_run_dir
 from agl.report.loggers import run_loggers
 from agl.report.metrics import draw_curves
 from agl.report.status import read_status, write_status
@@ -115,12 +118,30 @@ def run_job(cfg: DictConfig) -> object:
         cfg, HydraConfig.get() if multirun else None
     )  # jobs x threads <= cores (agl/jobs/launchers.py)
     config = to_typed(cfg)  # the one conversion: below here, every part takes its typed section
+    if name not in ("info", "runner", "export"):  # the jobs that serve the route: refused before the model loads
+        check_server_exposure(config.server)
     if name in (
         "info",
         "runner",
     ):  # a smoke test; a process working in another job's run: nothing of their own to record or resume
         return job_function(name)(config, run_dir)
 
+    try:
+        with holding_run_dir(run_dir):
+            return _run_held(cfg, config, name, run_dir, multirun, threads)
+    except RunDirBusy as busy:
+        pid = busy.holder.get("pid", "unknown")
+        if multirun:  # a sweep run twice at once: each job dir is trained by one of them
+            print(f"skip: {run_dir} is held by a live job (pid {pid}); this sweep leaves it to that job")
+            return None
+        raise ConfigError(
+            f"{busy}; it is not trained twice: wait for it or stop it (kill {pid}), "
+            f"or join it as a runner process with algo=runner attach={run_dir}"
+        ) from None
+
+
+def _run_held(cfg: DictConfig, config: Config, name: str, run_dir: Path, multirun: bool, threads: int) -> object:
+    """The job, with its run dir's lock held (``run_job``): status.json, the job itself, its end."""
     previous = read_status(run_dir)
     digest = config_hash(cfg)
     if previous and previous.get("config_hash") not in (None, digest):
@@ -134,7 +155,12 @@ def run_job(cfg: DictConfig) -> object:
         return previous.get("result")
     overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
     if previous:
-        print(f"continuing {run_dir} (status was {previous.get('status')}) from its store")
+        gone = (
+            f"; its job, pid {previous.get('pid')}, is gone"
+            if previous.get("status") == "running" and previous.get("pid") not in (None, os.getpid())
+            else ""
+        )
+        print(f"continuing {run_dir} (status was {previous.get('status')}{gone}) from its store")
     started = time.time()
     write_status(
         run_dir,
@@ -159,6 +185,15 @@ def run_job(cfg: DictConfig) -> object:
         ):  # logger=: metrics.jsonl's rows also to tensorboard / wandb
             result = job_function(name)(config, run_dir)
     except (Exception, SystemExit) as error:
+        full = disk_full_in(error)
+        if full is not None:  # one line, and no more writes than can fail: the run resumes from its store
+            error = DiskFull(full.path, run_dir)
+            with contextlib.suppress(OSError, DiskFull):
+                write_status(run_dir, "failed", error=str(error), ended=time.time(), duration_s=time.time() - started)
+            if not multirun:
+                raise error from None
+            log.error("job stopped, the sweep goes on: %s", error)
+            return None
         draw_curves(run_dir)  # what a failed job had logged
         trace = traceback.format_exc()
         (run_dir / "error.log").write_text(trace)

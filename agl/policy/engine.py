@@ -454,7 +454,7 @@ class Engine:
             input_ids=input_ids.to(device),
             attention_mask=mask.to(device),
             position_ids=positions.to(device),
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
             logits_to_keep=1,  # only the last position's logits are sampled from
         )
@@ -598,8 +598,14 @@ def draw(probs_SV: torch.Tensor, uniforms_S: torch.Tensor) -> torch.Tensor:
 
 
 def _top_p_filter(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
-    """Zero out the tail of each row beyond its nucleus (the smallest set with mass >= top_p)."""
+    """Zero out the tail of each row beyond its nucleus (the smallest set with mass >= top_p).
+
+    The most likely token always stays: a top_p too small for float32 (5e-324 is 0 there) would
+    otherwise zero the whole row, and the draw would pick a token past the vocabulary (found by
+    tests/test_route_fuzz.py)."""
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly before each token
-    sorted_probs[before >= top_ps[:, None]] = 0
+    outside = before >= top_ps[:, None]
+    outside[:, 0] = False
+    sorted_probs[outside] = 0
     return torch.zeros_like(probs).scatter(-1, order, sorted_probs)

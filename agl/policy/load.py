@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from agl.config import ModelConfig, typed
-from agl.errors import ConfigError
+from agl.errors import ConfigError, disk_full_named
 from agl.policy.lora import (
     check_vocabulary_tie,
     find_adapter_dir,
@@ -109,8 +109,9 @@ class Policy:
         The base embeddings never train here, so they are never saved: peft's default copies the
         whole vocabulary matrices into the adapter whenever an embedding layer is a LoRA target.
         """
-        self.model.save_pretrained(str(directory), save_embedding_layers=False)
-        self.tokenizer.save_pretrained(str(directory))
+        with disk_full_named(directory):
+            self.model.save_pretrained(str(directory), save_embedding_layers=False)
+            self.tokenizer.save_pretrained(str(directory))
 
 
 def keep_4bit_matmul_differentiable(model: torch.nn.Module) -> None:

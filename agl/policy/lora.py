@@ -8,11 +8,13 @@ Its parameters are the only trainable ones, kept in fp32 whatever the compute dt
 from __future__ import annotations
 
 import functools
+import json
 import re
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from agl.config import LoraConfig as LoraSection
 from agl.config import typed
@@ -20,12 +22,42 @@ from agl.errors import ConfigError
 
 
 def find_adapter_dir(adapter: str) -> Path:
-    """Accept an adapter dir itself, or a run dir holding one (``<run>/adapter``)."""
+    """Accept an adapter dir itself, or a run dir holding one (``<run>/adapter``); anything else is one
+    ``ConfigError`` line saying what the path is instead."""
     path = Path(adapter).expanduser()
+    if path.is_file():
+        raise ConfigError(f"model.adapter '{adapter}' is a file, not an adapter dir or a run dir")
     for candidate in (path, path / "adapter"):
         if (candidate / "adapter_config.json").is_file():
+            if not (candidate / "adapter_model.safetensors").is_file():
+                raise ConfigError(
+                    f"model.adapter '{candidate}' has adapter_config.json but no adapter_model.safetensors "
+                    "(an adapter being written, or copied in part)"
+                )
+            check_adapter_files(candidate)
             return candidate
+    if (path / "store.sqlite").is_file():
+        raise ConfigError(
+            f"model.adapter '{adapter}' is a run dir without an adapter yet (its job has not finished: "
+            f"python harness.py resume={adapter})"
+        )
     raise ConfigError(f"model.adapter '{adapter}' holds no adapter_config.json (neither it nor '{path / 'adapter'}')")
+
+
+def check_adapter_files(adapter_dir: Path) -> None:
+    """A truncated or garbled adapter is one line naming the file, not peft's traceback from deep in loading.
+    safetensors checks the header and that the data covers it (cheap: nothing is read into memory)."""
+    config = adapter_dir / "adapter_config.json"
+    try:
+        json.loads(config.read_text())
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{config} is damaged (not JSON: {error}); restore the adapter from a copy") from None
+    weights = adapter_dir / "adapter_model.safetensors"
+    try:
+        with safe_open(str(weights), "pt"):
+            pass
+    except SafetensorError as error:
+        raise ConfigError(f"{weights} is damaged ({error}); restore the adapter from a copy") from None
 
 
 # ----------------------------------------------------------------------------- what the LoRA trains

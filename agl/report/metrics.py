@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from agl.errors import disk_full_named
 from agl.memory import peak_rss_mib
 from agl.report.loggers import log_row
 
@@ -23,7 +24,7 @@ def append_metrics(run_dir: Path, row: dict) -> None:
     """One line of metrics.jsonl, and the row to the run's loggers (``logger=``).
     Every row carries the process's peak RSS so far: where it jumps is the phase that set it."""
     row = {**_plain(row), "peak_rss_mib": round(peak_rss_mib(), 1)}
-    with open(metrics_path(run_dir), "a") as f:
+    with disk_full_named(metrics_path(run_dir)), open(metrics_path(run_dir), "a") as f:
         f.write(json.dumps(row) + "\n")
     log_row(run_dir, row)
 
@@ -34,12 +35,14 @@ def draw_curves(run_dir: Path) -> Path | None:
         return None
     from agl.report.plots import draw_run_plots  # matplotlib: only when drawing
 
-    return draw_run_plots(metrics_path(run_dir), run_dir)
+    with disk_full_named(Path(run_dir) / "curves.png"):
+        return draw_run_plots(metrics_path(run_dir), run_dir)
 
 
 def rewrite_metrics(run_dir: Path, rows: Iterable[dict]) -> None:
     """metrics.jsonl as exactly ``rows`` (a resumed run's, read back from the store)."""
-    metrics_path(run_dir).write_text("".join(json.dumps(_plain(r)) + "\n" for r in rows))
+    with disk_full_named(metrics_path(run_dir)):
+        metrics_path(run_dir).write_text("".join(json.dumps(_plain(r)) + "\n" for r in rows))
 
 
 def _plain(row: Any) -> Any:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import sqlite3
 from pathlib import Path
 
 from agl.errors import ConfigError
@@ -42,6 +43,8 @@ HARNESS_ENDS = {  # attempts.metadata.harness_ended -> how the failures table sh
 
 def report(target: str | Path) -> dict:
     path = Path(str(target)).expanduser()
+    if not path.exists():
+        raise ConfigError(f"report='{target}' does not exist")
     if not path.is_dir():
         raise ConfigError(f"report='{target}' is not a directory")
     if (path / "store.sqlite").is_file():
@@ -90,81 +93,90 @@ def _read_store(path: Path) -> dict:
     (no store session is opened, nothing is written)."""
     conn = db.connect(path, readonly=True, busy_timeout=30.0, synchronous="NORMAL")
     try:
-        db.check_schema(conn)
-        q = lambda sql: [tuple(r) for r in conn.execute(sql).fetchall()]  # noqa: E731
-        with db.read_transaction(conn):
-            data = {
-                "rollouts_by_status": q("SELECT status, count(*) FROM rollouts GROUP BY status ORDER BY count(*) DESC"),
-                "rollouts_by_mode": q("SELECT coalesce(mode, '-'), count(*) FROM rollouts GROUP BY mode ORDER BY mode"),
-                # all attempts; retries = charged attempts beyond each rollout's first; harness-ended ones
-                "attempts": q(
-                    "SELECT count(*), "
-                    "coalesce(sum(charged), 0) - count(DISTINCT CASE WHEN charged THEN rollout_id END), "
-                    "coalesce(sum(NOT charged), 0) FROM (SELECT rollout_id, "
-                    "json_extract(metadata, '$.harness_ended') IS NULL AS charged FROM attempts)"
-                )[0],
-                "llm_calls": q("SELECT count(*), coalesce(sum(response_tokens), 0), avg(latency) FROM llm_calls")[0],
-                "time_span": q("SELECT min(start_time), max(end_time) FROM rollouts")[0],
-                "step_summary": q(
-                    "SELECT step, rollouts, succeeded, failed, unfinished, retried FROM step_summary ORDER BY step"
-                ),
-                "slowest": q(
-                    "SELECT d.rollout_id, r.mode, CASE WHEN r.step IS NOT NULL THEN 'step ' || r.step "
-                    "WHEN json_extract(r.metadata, '$.eval_step') IS NOT NULL "
-                    "THEN 'eval@' || json_extract(r.metadata, '$.eval_step') "
-                    "WHEN json_extract(r.metadata, '$.candidate') IS NOT NULL "
-                    "THEN 'prompt ' || json_extract(r.metadata, '$.candidate') "
-                    "ELSE '' END, d.sequence_id, d.status, d.duration, d.spans, rr.reward "
-                    "FROM attempt_durations d JOIN rollouts r ON r.rollout_id = d.rollout_id "
-                    "LEFT JOIN rollout_rewards rr ON rr.rollout_id = d.rollout_id "
-                    f"WHERE d.duration IS NOT NULL ORDER BY d.duration DESC LIMIT {SLOWEST}"
-                ),
-                "failures": q(
-                    "SELECT status, coalesce(json_extract(metadata, '$.error'), '(no error recorded)') AS error, "
-                    "count(*) "
-                    "FROM attempts WHERE status NOT IN ('succeeded', 'preparing', 'running') "
-                    "AND json_extract(metadata, '$.harness_ended') IS NULL "
-                    "GROUP BY status, error ORDER BY count(*) DESC"
-                ),
-                "harness_ends": q(
-                    "SELECT status, json_extract(metadata, '$.harness_ended') AS how, count(*) FROM attempts "
-                    "WHERE json_extract(metadata, '$.harness_ended') IS NOT NULL "
-                    "GROUP BY status, how ORDER BY count(*) DESC, how"
-                ),
-                "eval_replies": q(
-                    "SELECT json_extract(r.metadata, '$.eval_step') AS at, json_extract(r.metadata, '$.task_id'), "
-                    "r.input, "
-                    "json_extract(s.attributes, '$.response_text'), rr.reward FROM rollouts r "
-                    "JOIN latest_attempts la ON la.rollout_id = r.rollout_id "
-                    "JOIN spans s ON s.attempt_id = la.attempt_id AND s.name LIKE 'llm.%' "
-                    # the policy's replies, not a frozen helper's"
-                    "AND coalesce(json_extract(s.attributes, '$.trainable'), 1) != 0 "
-                    "LEFT JOIN rollout_rewards rr ON rr.rollout_id = r.rollout_id "
-                    "WHERE at IS NOT NULL ORDER BY r.seq, s.sequence_id"
-                ),
-                # evals' rows the eval cache supplied (agl/eval/cache.py): no attempt, no span; the reply is kept
-                "cached_replies": q(
-                    "SELECT json_extract(metadata, '$.eval_step') AS at, json_extract(metadata, '$.task_id'), input, "
-                    "json_extract(metadata, '$.cached.reply'), json_extract(metadata, '$.cached.score.reward') "
-                    "FROM rollouts WHERE at IS NOT NULL AND json_extract(metadata, '$.cached') IS NOT NULL ORDER BY seq"
-                ),
-                "cached": q(
-                    f"SELECT {EVAL_NAME} AS ev, count(*), "
-                    "sum(json_extract(metadata, '$.cached.kind') = 'exact'), "
-                    "sum(json_extract(metadata, '$.cached.kind') = 'sample') "
-                    "FROM rollouts WHERE ev IS NOT NULL GROUP BY ev "
-                    "HAVING count(json_extract(metadata, '$.cached')) > 0 ORDER BY min(seq)"
-                ),
-            }
-            data["checkpoints"] = q("SELECT step, policy_version FROM checkpoints ORDER BY step")
-            data["metrics"] = {}
-            for row in conn.execute("SELECT step, name, value FROM metrics ORDER BY step, name"):
-                data["metrics"].setdefault(row["step"], {})[row["name"]] = row["value"]
-            config = conn.execute("SELECT value FROM run_info WHERE key = 'config'").fetchone()
-            data["config"] = None if config is None else json.loads(config["value"])
-        return data
+        return _snapshot(conn)
+    except sqlite3.DatabaseError as error:
+        if db.is_damage(error):
+            raise db.StoreDamaged(path, str(error)) from None
+        raise
     finally:
         conn.close()
+
+
+def _snapshot(conn: sqlite3.Connection) -> dict:
+    """The report's reads, in one read transaction."""
+    db.check_schema(conn)
+    q = lambda sql: [tuple(r) for r in conn.execute(sql).fetchall()]  # noqa: E731
+    with db.read_transaction(conn):
+        data = {
+            "rollouts_by_status": q("SELECT status, count(*) FROM rollouts GROUP BY status ORDER BY count(*) DESC"),
+            "rollouts_by_mode": q("SELECT coalesce(mode, '-'), count(*) FROM rollouts GROUP BY mode ORDER BY mode"),
+            # all attempts; retries = charged attempts beyond each rollout's first; harness-ended ones
+            "attempts": q(
+                "SELECT count(*), "
+                "coalesce(sum(charged), 0) - count(DISTINCT CASE WHEN charged THEN rollout_id END), "
+                "coalesce(sum(NOT charged), 0) FROM (SELECT rollout_id, "
+                "json_extract(metadata, '$.harness_ended') IS NULL AS charged FROM attempts)"
+            )[0],
+            "llm_calls": q("SELECT count(*), coalesce(sum(response_tokens), 0), avg(latency) FROM llm_calls")[0],
+            "time_span": q("SELECT min(start_time), max(end_time) FROM rollouts")[0],
+            "step_summary": q(
+                "SELECT step, rollouts, succeeded, failed, unfinished, retried FROM step_summary ORDER BY step"
+            ),
+            "slowest": q(
+                "SELECT d.rollout_id, r.mode, CASE WHEN r.step IS NOT NULL THEN 'step ' || r.step "
+                "WHEN json_extract(r.metadata, '$.eval_step') IS NOT NULL "
+                "THEN 'eval@' || json_extract(r.metadata, '$.eval_step') "
+                "WHEN json_extract(r.metadata, '$.candidate') IS NOT NULL "
+                "THEN 'prompt ' || json_extract(r.metadata, '$.candidate') "
+                "ELSE '' END, d.sequence_id, d.status, d.duration, d.spans, rr.reward "
+                "FROM attempt_durations d JOIN rollouts r ON r.rollout_id = d.rollout_id "
+                "LEFT JOIN rollout_rewards rr ON rr.rollout_id = d.rollout_id "
+                f"WHERE d.duration IS NOT NULL ORDER BY d.duration DESC LIMIT {SLOWEST}"
+            ),
+            "failures": q(
+                "SELECT status, coalesce(json_extract(metadata, '$.error'), '(no error recorded)') AS error, "
+                "count(*) "
+                "FROM attempts WHERE status NOT IN ('succeeded', 'preparing', 'running') "
+                "AND json_extract(metadata, '$.harness_ended') IS NULL "
+                "GROUP BY status, error ORDER BY count(*) DESC"
+            ),
+            "harness_ends": q(
+                "SELECT status, json_extract(metadata, '$.harness_ended') AS how, count(*) FROM attempts "
+                "WHERE json_extract(metadata, '$.harness_ended') IS NOT NULL "
+                "GROUP BY status, how ORDER BY count(*) DESC, how"
+            ),
+            "eval_replies": q(
+                "SELECT json_extract(r.metadata, '$.eval_step') AS at, json_extract(r.metadata, '$.task_id'), "
+                "r.input, "
+                "json_extract(s.attributes, '$.response_text'), rr.reward FROM rollouts r "
+                "JOIN latest_attempts la ON la.rollout_id = r.rollout_id "
+                "JOIN spans s ON s.attempt_id = la.attempt_id AND s.name LIKE 'llm.%' "
+                # the policy's replies, not a frozen helper's"
+                "AND coalesce(json_extract(s.attributes, '$.trainable'), 1) != 0 "
+                "LEFT JOIN rollout_rewards rr ON rr.rollout_id = r.rollout_id "
+                "WHERE at IS NOT NULL ORDER BY r.seq, s.sequence_id"
+            ),
+            # evals' rows the eval cache supplied (agl/eval/cache.py): no attempt, no span; the reply is kept
+            "cached_replies": q(
+                "SELECT json_extract(metadata, '$.eval_step') AS at, json_extract(metadata, '$.task_id'), input, "
+                "json_extract(metadata, '$.cached.reply'), json_extract(metadata, '$.cached.score.reward') "
+                "FROM rollouts WHERE at IS NOT NULL AND json_extract(metadata, '$.cached') IS NOT NULL ORDER BY seq"
+            ),
+            "cached": q(
+                f"SELECT {EVAL_NAME} AS ev, count(*), "
+                "sum(json_extract(metadata, '$.cached.kind') = 'exact'), "
+                "sum(json_extract(metadata, '$.cached.kind') = 'sample') "
+                "FROM rollouts WHERE ev IS NOT NULL GROUP BY ev "
+                "HAVING count(json_extract(metadata, '$.cached')) > 0 ORDER BY min(seq)"
+            ),
+        }
+        data["checkpoints"] = q("SELECT step, policy_version FROM checkpoints ORDER BY step")
+        data["metrics"] = {}
+        for row in conn.execute("SELECT step, name, value FROM metrics ORDER BY step, name"):
+            data["metrics"].setdefault(row["step"], {})[row["name"]] = row["value"]
+        config = conn.execute("SELECT value FROM run_info WHERE key = 'config'").fetchone()
+        data["config"] = None if config is None else json.loads(config["value"])
+    return data
 
 
 def _run_section(run_dir: Path, data: dict, rows: list[dict]) -> str:

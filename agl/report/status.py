@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agl.errors import disk_full_named
+
 STATUS_FILE = "status.json"
 
 
@@ -29,8 +31,9 @@ def write_status(run_dir: Path, status: str, **fields: Any) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     record = {**(read_status(run_dir) or {}), "status": status, "updated": time.time(), **fields}
     tmp = run_dir / f".{STATUS_FILE}.tmp"
-    tmp.write_text(json.dumps(record, indent=1, default=str) + "\n")
-    os.replace(tmp, run_dir / STATUS_FILE)  # never a half-written status
+    with disk_full_named(run_dir / STATUS_FILE):
+        tmp.write_text(json.dumps(record, indent=1, default=str) + "\n")
+        os.replace(tmp, run_dir / STATUS_FILE)  # never a half-written status
     return record
 
 

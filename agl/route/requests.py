@@ -92,6 +92,16 @@ def model_not_found(model: str, served: Sequence[str]) -> APIError:
     return APIError(404, message, "invalid_request_error", "model", "model_not_found")
 
 
+def request_too_large(size: str, limit: int) -> APIError:
+    return APIError(
+        413,
+        f"The request body ({size}) is larger than this route accepts: {limit} bytes (server.max_request_bytes).",
+        "invalid_request_error",
+        None,
+        "request_too_large",
+    )
+
+
 def unauthorized(message: str = "Missing or invalid API key (expected 'Authorization: Bearer <key>').") -> APIError:
     return APIError(401, message, "authentication_error", None, "invalid_api_key")
 
@@ -198,11 +208,58 @@ class ToolCall(_Lenient):
     function: FunctionCall
 
 
+# What the checks below accept, in JSON schema terms: the route's OpenAPI document (agl.route.openapi) then
+# describes only requests it takes (a token id past the vocabulary, which depends on the model, excepted).
+NOT_NULL = {"not": {"type": "null"}}
+NO_TOOL_CALLS = {"type": ["array", "null"], "maxItems": 0}
+TEXT = {"type": "string", "minLength": 1}
+TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}
+STOP_SCHEMA = [TEXT, {"type": "array", "items": TEXT, "maxItems": MAX_STOP_STRINGS}, {"type": "null"}]
+PROMPT_SCHEMA = [
+    TEXT,
+    TOKEN_IDS,
+    {"type": "array", "items": TEXT, "minItems": 1, "maxItems": 1},
+    {"type": "array", "items": TOKEN_IDS, "minItems": 1, "maxItems": 1},
+]
+
+
+def _what_each_role_needs(schema: dict) -> None:
+    """The JSON schema's word for ``Message``'s checks (``_content_required``, ``_tool_call_id_required``),
+    so the route's OpenAPI document (``agl.route.openapi``) describes only messages it accepts."""
+    schema["anyOf"] = [
+        {
+            "properties": {
+                "role": {"enum": ["system", "developer", "user"]},
+                "content": NOT_NULL,
+                "tool_calls": NO_TOOL_CALLS,
+            },
+            "required": ["content"],
+        },
+        {
+            "properties": {
+                "role": {"const": "tool"},
+                "content": NOT_NULL,
+                "tool_call_id": {"type": "string"},
+                "tool_calls": NO_TOOL_CALLS,
+            },
+            "required": ["content", "tool_call_id"],
+        },
+        {"properties": {"role": {"const": "assistant"}, "content": NOT_NULL}, "required": ["content"]},
+        {
+            "properties": {"role": {"const": "assistant"}, "tool_calls": {"type": "array", "minItems": 1}},
+            "required": ["tool_calls"],
+        },
+    ]
+    schema["properties"]["tool_calls"]["description"] = "assistant messages only"
+
+
 class Message(_Lenient):
     """One chat message. ``content`` may be a string or a list of text parts.
 
     ``developer`` is OpenAI's newer name for ``system`` (newer SDKs send it); templates get ``system``.
     """
+
+    model_config = ConfigDict(json_schema_extra=_what_each_role_needs)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Annotated[Union[str, list[TextPart], None], text_only("text")] = None
@@ -318,7 +375,7 @@ class _SamplingRequest(_Lenient):
     temperature: Temperature = 1.0
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=MAX_N)
-    stop: Union[str, list[str], None] = None
+    stop: Union[str, list[str], None] = Field(default=None, json_schema_extra={"anyOf": STOP_SCHEMA})
     seed: Optional[int] = Field(default=None, ge=0, le=MAX_SEED)
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
@@ -394,6 +451,24 @@ class _SamplingRequest(_Lenient):
         return limit
 
 
+def _chat_request_checks(schema: dict) -> None:
+    """The JSON schema's word for ``ChatCompletionRequest``'s cross-field checks (as ``_what_each_role_needs``)."""
+    schema["allOf"] = [
+        {  # top_logprobs needs logprobs
+            "anyOf": [
+                {"properties": {"top_logprobs": {"enum": [None, 0]}}},
+                {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+            ]
+        },
+        {  # tool_choice "required" or a named function needs tools (one of them by that name)
+            "anyOf": [
+                {"properties": {"tool_choice": {"enum": [None, "none", "auto"]}}},
+                {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
+            ]
+        },
+    ]
+
+
 class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions``.
 
@@ -404,6 +479,7 @@ class ChatCompletionRequest(_SamplingRequest):
     output, ``web_search_options``; ``stop`` or ``ignore_eos`` together with a structured reply.
     """
 
+    model_config = ConfigDict(json_schema_extra=_chat_request_checks)
     prompt_param: ClassVar[str] = "messages"
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
@@ -505,11 +581,11 @@ class CompletionRequest(_SamplingRequest):
     """
 
     prompt_param: ClassVar[str] = "prompt"
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: Union[str, list[int], list[str], list[list[int]]] = Field(json_schema_extra={"anyOf": PROMPT_SCHEMA})
     logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    echo: bool = False
-    best_of: Optional[int] = None  # refused above 1 (use n)
-    suffix: Optional[str] = None  # refused (no insertion)
+    echo: bool = Field(default=False, json_schema_extra={"const": False})
+    best_of: Optional[int] = Field(default=None, json_schema_extra={"maximum": 1})  # refused above 1 (use n)
+    suffix: Optional[str] = Field(default=None, json_schema_extra={"maxLength": 0})  # refused (no insertion)
 
     @field_validator("best_of")
     @classmethod

@@ -497,6 +497,29 @@ class ErrorEvent(Wire):
     param: Optional[str]
 
 
+class ErrorDetail(Wire):
+    message: str
+    type: str
+    param: Optional[str]
+    code: Optional[str]
+
+
+class ErrorResponse(Wire):
+    """Every error the route answers, in OpenAI's shape (``agl.route.requests.error_body``)."""
+
+    error: ErrorDetail
+
+
+class Health(Wire):
+    """``GET /health``: the route is up; the policy version it samples and the engine's load."""
+
+    status: Literal["ok"]
+    model: str
+    policy_version: int
+    running: int
+    waiting: int
+
+
 class OutputBuilder:
     """One reply's parsed deltas -> Responses output items, and the stream events that build them.
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from agl.route.requests import (
     MAX_SEED,
@@ -192,6 +192,14 @@ class TextOptions(_Lenient):
     verbosity: Optional[str] = None
 
 
+def _something_to_respond_to(schema: dict) -> None:
+    """``to_chat_request``'s check in JSON schema terms (the route's OpenAPI document, ``agl.route.openapi``)."""
+    schema["anyOf"] = [
+        {"properties": {"input": {"type": ["string", "array"], "minItems": 1}}, "required": ["input"]},
+        {"properties": {"instructions": {"type": "string"}}, "required": ["instructions"]},
+    ]
+
+
 class ResponsesRequest(_Lenient):
     """``POST /v1/responses``. Fields OpenAI accepts that change nothing here (``user``,
     ``reasoning``, ``truncation``, ``prompt_cache_key``, ``service_tier``, ``safety_identifier``,
@@ -200,6 +208,7 @@ class ResponsesRequest(_Lenient):
     ``text.format``, ``parallel_tool_calls`` and ``max_tool_calls`` are honoured (a grammar,
     agl.route.structure)."""
 
+    model_config = ConfigDict(json_schema_extra=_something_to_respond_to)
     model: Optional[str] = None
     input: Union[str, list[Any], None] = None  # items are parsed by parse_items (params name their index)
     instructions: Optional[str] = None
@@ -218,9 +227,9 @@ class ResponsesRequest(_Lenient):
     text: Optional[TextOptions] = None
     max_tool_calls: Optional[int] = Field(default=None, ge=1)
     truncation: Optional[Literal["auto", "disabled"]] = None
-    background: Optional[bool] = None
-    conversation: Any = None
-    prompt: Any = None
+    background: Optional[bool] = Field(default=None, json_schema_extra={"enum": [False, None]})  # refused below
+    conversation: Any = Field(default=None, json_schema_extra={"type": "null"})
+    prompt: Any = Field(default=None, json_schema_extra={"type": "null"})
     seed: Optional[int] = Field(default=None, ge=0, le=MAX_SEED)  # extension, as in chat
 
     @field_validator("tools", mode="before")

@@ -58,7 +58,7 @@ class ResponsesEndpoint:
         """``POST /v1/responses``: translated to a chat call, answered as a Responses object
         (``agl.route.responses_api``)."""
         received_at, received_wall = time.perf_counter(), time.time()
-        req = parse_request(ResponsesRequest, await request.body())
+        req = parse_request(ResponsesRequest, await self.server.read_body(request))
         self.server._check_model(req.model)
         previous: list = []
         if req.previous_response_id is not None:

@@ -58,7 +58,13 @@ Choices worth knowing:
     responses (``store``, the default) stay in memory, the last ``server.stored_responses``, for
     ``previous_response_id`` and ``GET``/``DELETE /v1/responses/{id}``, on the route that made them.
   - A client that disconnects cancels its sequences; nothing is recorded for it.
-  - With ``api_key`` set, every route but ``GET /health`` needs ``Authorization: Bearer <key>``.
+  - With ``api_key`` set, every route but ``GET /health`` and ``GET /openapi.json`` (the document of
+    the API, ``agl.route.openapi``) needs ``Authorization: Bearer <key>``. A
+    non-loopback ``host`` without one is refused unless ``allow_public`` (``check_server_exposure``).
+  - Limits (docs/reliability.md): a request body over ``max_request_bytes`` (4 MiB) is a 413,
+    refused while it arrives; ``max_tokens`` past the context length (prompt included) is a 400
+    (``context_length_exceeded``), and so is a prompt that fills it; ``n`` is at most the engine's
+    batch, ``top_logprobs`` at most 20, ``stop`` at most 16 strings.
 """
 
 from __future__ import annotations
@@ -80,10 +86,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from agl.config import ServerConfig, typed
+from agl.config import ServerConfig, check_server_exposure, typed
 from agl.policy.engine import SamplingParams
 from agl.policy.grammar import policy_grammar_tokenizer
 from agl.route import structure, tool_prompt
+from agl.route.openapi import openapi_document, route_docs
 from agl.route.output import Delta, OutputAssembler
 from agl.route.recording import Call, Choice, Recorder
 from agl.route.rendering import History, decode, render_prompt, template_messages
@@ -97,6 +104,7 @@ from agl.route.requests import (
     model_not_found,
     not_found,
     parse_request,
+    request_too_large,
     unauthorized,
 )
 from agl.route.response_models import Answer, ModelCard, ModelList
@@ -143,7 +151,8 @@ class ModelServer:
     ):
         config = typed(
             ServerConfig, config or {}
-        )  # server.*: host, port, api_key, default_max_tokens, history and response store sizes
+        )  # server.*: host, port, api_key, default_max_tokens, history and response store sizes, body size cap
+        check_server_exposure(config)  # a public address needs a key (or server.allow_public)
         self.engine = engine
         self.policy = policy
         self.store = store
@@ -151,6 +160,7 @@ class ModelServer:
         self.port = config.port  # 0 until start() binds a free one
         self.api_key = config.api_key
         self.default_max_tokens = config.default_max_tokens
+        self.max_request_bytes = config.max_request_bytes
         self.seed = seed  # the run seed: rollout calls without a seed of their own derive one from it
         # frozen helper models: name -> an engine sampling the base model (adapter off; agl.policy.sampler_weights)
         self.frozen = dict(frozen or {})
@@ -216,17 +226,29 @@ class ModelServer:
     # ------------------------------------------------------------------ app
 
     def _build_app(self) -> FastAPI:
-        app = FastAPI(title="agl model route", docs_url=None, redoc_url=None, openapi_url=None)
+        app = FastAPI(
+            title="agl model route",
+            version="v1",
+            description="OpenAI-compatible; under /rollout/{rollout_id}/attempt/{attempt_id}/v1 calls are recorded.",
+            docs_url=None,
+            redoc_url=None,
+            openapi_url="/openapi.json",  # agl.route.openapi: the request and response models' schemas
+        )
+        app.openapi = functools.partial(openapi_document, app)
         router = APIRouter(dependencies=[Depends(self._authorize)])
-        router.add_api_route("/models", self._models, methods=["GET"])
-        router.add_api_route("/chat/completions", self._chat, methods=["POST"])
-        router.add_api_route("/completions", self._completions, methods=["POST"])
-        router.add_api_route("/responses", self.responses.create, methods=["POST"])
-        router.add_api_route("/responses/{response_id}", self.responses.get, methods=["GET"])
-        router.add_api_route("/responses/{response_id}", self.responses.delete, methods=["DELETE"])
+        router.add_api_route("/models", self._models, methods=["GET"], **route_docs("models"))
+        router.add_api_route("/chat/completions", self._chat, methods=["POST"], **route_docs("chat"))
+        router.add_api_route("/completions", self._completions, methods=["POST"], **route_docs("completions"))
+        router.add_api_route("/responses", self.responses.create, methods=["POST"], **route_docs("responses"))
+        router.add_api_route(
+            "/responses/{response_id}", self.responses.get, methods=["GET"], **route_docs("get_response")
+        )
+        router.add_api_route(
+            "/responses/{response_id}", self.responses.delete, methods=["DELETE"], **route_docs("delete_response")
+        )
         app.include_router(router, prefix="/v1")
         app.include_router(router, prefix="/rollout/{rollout_id}/attempt/{attempt_id}/v1")
-        app.add_api_route("/health", self._health, methods=["GET"])
+        app.add_api_route("/health", self._health, methods=["GET"], **route_docs("health"))
 
         @app.exception_handler(APIError)
         async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -249,6 +271,21 @@ class ModelServer:
             )
 
         return app
+
+    async def read_body(self, request: Request) -> bytes:
+        """The request body, refused with a 413 once it passes ``server.max_request_bytes``: a declared
+        Content-Length at once, a chunked body as soon as it has sent that much (never held whole)."""
+        limit = self.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise request_too_large(f"{int(declared)} bytes", limit)
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise request_too_large(f"over {limit} bytes", limit)
+            chunks.append(chunk)
+        return b"".join(chunks)
 
     async def _authorize(self, request: Request) -> None:
         if self.api_key is not None:
@@ -274,7 +311,7 @@ class ModelServer:
 
     async def _chat(self, request: Request) -> Response:
         received_at, received_wall = time.perf_counter(), time.time()
-        req = parse_request(ChatCompletionRequest, await request.body())
+        req = parse_request(ChatCompletionRequest, await self.read_body(request))
         self._check_model(req.model)
         scope, seed = await self._check_scope(request, req.seed)
         call = await self._chat_call(req, scope, seed, received_at, received_wall)
@@ -326,7 +363,7 @@ class ModelServer:
 
     async def _completions(self, request: Request) -> Response:
         received_at, received_wall = time.perf_counter(), time.time()
-        req = parse_request(CompletionRequest, await request.body())
+        req = parse_request(CompletionRequest, await self.read_body(request))
         self._check_model(req.model)
         scope, seed = await self._check_scope(request, req.seed)
         if isinstance(req.prompt, str):

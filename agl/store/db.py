@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, TypeVar
 
 import agl.store.txn as txn
+from agl.errors import ConfigError, DiskFull
 from agl.store.overdue import NOTHING_OVERDUE, OverdueView
 from agl.types import Attempt
 
@@ -52,12 +53,70 @@ Synchronous = Literal["NORMAL", "FULL"]
 T = TypeVar("T")
 
 
+SQLITE_HEADER = b"SQLite format 3\x00"
+DAMAGE_CODES = (11, 26)  # SQLITE_CORRUPT, SQLITE_NOTADB (primary result codes)
+FULL_CODE = 13  # SQLITE_FULL: the disk (or a quota) is full; the failed transaction was rolled back
+
+
+class StoreDamaged(ConfigError):
+    """The store file is damaged (truncated, overwritten, not SQLite). One line, naming the file and what
+    to do; agl never writes over it (a new store there would silently start the run over)."""
+
+    def __init__(self, path: Path, what: str):
+        super().__init__(
+            f"{path} is damaged ({what}); agl does not write over it: restore it from a copy, or move it "
+            f"aside (mv {path} {path}.damaged) and run again to start over"
+        )
+
+
+def is_damage(error: sqlite3.DatabaseError) -> bool:
+    return (getattr(error, "sqlite_errorcode", 0) or 0) & 0xFF in DAMAGE_CODES
+
+
+def is_full(error: sqlite3.DatabaseError) -> bool:
+    return (getattr(error, "sqlite_errorcode", 0) or 0) & 0xFF == FULL_CODE
+
+
+def check_file(path: Path) -> None:
+    """Refuse a store file that is visibly damaged before SQLite opens it: a header that is not SQLite's,
+    or a file shorter than its header says with no WAL file to hold the rest (truncated). An empty file is
+    a new store, as SQLite has it. Damage inside the pages is found when they are read (``Db``)."""
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        return
+    if size == 0:
+        return
+    with open(path, "rb") as f:
+        header = f.read(100)
+    if len(header) < 100 or not header.startswith(SQLITE_HEADER):
+        raise StoreDamaged(path, "not an SQLite database: its header is gone")
+    page_size = int.from_bytes(header[16:18], "big")
+    page_size = 65536 if page_size == 1 else page_size
+    pages = int.from_bytes(header[28:32], "big")
+    counted = header[24:28] == header[92:96]  # the header's page count is valid (SQLite's own rule)
+    wal = path.with_name(path.name + "-wal")
+    if counted and size < pages * page_size and not (wal.exists() and wal.stat().st_size > 0):
+        raise StoreDamaged(path, f"truncated: {size} bytes of the {pages * page_size} its header counts")
+
+
 def schema_sql() -> str:
     return resources.files("agl.store").joinpath("schema.sql").read_text()
 
 
 def connect(path: Path, *, readonly: bool, busy_timeout: float, synchronous: Synchronous) -> sqlite3.Connection:
-    """Open the store file with the pragmas the store relies on; create it if writable."""
+    """Open the store file with the pragmas the store relies on; create it if writable. A damaged file is
+    ``StoreDamaged``, found before SQLite opens it (``check_file``) or by the first pragma that reads it."""
+    check_file(path)
+    try:
+        return _connect(path, readonly=readonly, busy_timeout=busy_timeout, synchronous=synchronous)
+    except sqlite3.DatabaseError as error:
+        if is_damage(error):
+            raise StoreDamaged(path, str(error)) from None
+        raise
+
+
+def _connect(path: Path, *, readonly: bool, busy_timeout: float, synchronous: Synchronous) -> sqlite3.Connection:
     if readonly:
         if not path.exists():
             raise FileNotFoundError(f"no store at {path}")
@@ -244,17 +303,36 @@ class Db:
         self.conn: Any = None
         self.session_id: Optional[str] = None  # set once the store's session is registered
         self.closed = False
+        self.full = False  # a write found the disk full: every later operation says so (DiskFull)
         self.worker = Worker("agl-store")
 
     def connect(self) -> None:
         """Open the file, with its schema installed (writable) or checked (read-only)."""
-        self.conn = connect(
-            self.path, readonly=self.readonly, busy_timeout=self.busy_timeout, synchronous=self.synchronous
-        )
-        if self.readonly:
-            check_schema(self.conn)
-        else:
-            install_schema(self.conn)
+        with self.damage_named():
+            self.conn = connect(
+                self.path, readonly=self.readonly, busy_timeout=self.busy_timeout, synchronous=self.synchronous
+            )
+            if self.readonly:
+                check_schema(self.conn)
+            else:
+                install_schema(self.conn)
+
+    @contextmanager
+    def damage_named(self) -> Iterator[None]:
+        """SQLite's word for a damaged file (``database disk image is malformed``, ``file is not a database``),
+        from wherever it is found, as ``StoreDamaged``: one line naming the file. A full disk (``SQLITE_FULL``)
+        is ``DiskFull``, and it sticks: from then on every operation raises it without touching the file, so
+        nothing that followed a lost write (an attempt failed because its span could not be stored) commits
+        once a little space turns up. The job stops; a resume starts from what did commit."""
+        try:
+            yield
+        except sqlite3.DatabaseError as error:
+            if is_damage(error):
+                raise StoreDamaged(self.path, str(error)) from None
+            if is_full(error):
+                self.full = True
+                raise DiskFull(self.path) from None
+            raise
 
     def close_connection(self) -> None:
         if self.conn is not None:
@@ -264,6 +342,8 @@ class Db:
     def check_open(self) -> None:
         if self.closed:
             raise RuntimeError(f"store {self.path} is closed")
+        if self.full:
+            raise DiskFull(self.path)
 
     def check_writable(self) -> None:
         self.check_open()
@@ -276,7 +356,8 @@ class Db:
             self.check_writable()
         else:
             self.check_open()
-        return await self.worker.run(fn, *args)
+        with self.damage_named():
+            return await self.worker.run(fn, *args)
 
     def write_sync(self, fn: Callable[..., T], *args: Any) -> T:
         tx = txn.Tx(self.conn, self.clock(), self.session_id)
@@ -298,7 +379,8 @@ class Db:
         """Run `fn(tx, *args)` in one write transaction on the worker thread;
         `durable=True` flushes its commit to disk whatever `synchronous` is."""
         self.check_writable()
-        return await self.worker.run(self.durable_write_sync if durable else self.write_sync, fn, *args)
+        with self.damage_named():
+            return await self.worker.run(self.durable_write_sync if durable else self.write_sync, fn, *args)
 
     def read_sync(self, fn: Callable[..., T], *args: Any) -> T:
         if not self.readonly:
@@ -309,7 +391,8 @@ class Db:
     async def read(self, fn: Callable[..., T], *args: Any) -> T:
         """Run `fn(conn, *args)` in one read transaction (a consistent snapshot)."""
         self.check_open()
-        return await self.worker.run(self.read_sync, fn, *args)
+        with self.damage_named():
+            return await self.worker.run(self.read_sync, fn, *args)
 
     def expire_due(self) -> list[Attempt]:
         """R6 now: one probe of the deadline index when nothing is due."""

@@ -224,10 +224,11 @@ class SqliteStore:
         self._db.connect()
         if self.readonly:
             return
-        with db.write_transaction(self._db.conn):
-            self.session = sessions.register(self._db.conn, self.session)  # type: ignore[arg-type]
-        self._db.session_id = self.session.session_id
-        self._watch.reap_dead_sessions_sync()
+        with self._db.damage_named():
+            with db.write_transaction(self._db.conn):
+                self.session = sessions.register(self._db.conn, self.session)  # type: ignore[arg-type]
+            self._db.session_id = self.session.session_id
+            self._watch.reap_dead_sessions_sync()
 
     # A store is dropped the way kill -9 would drop it (tests/store_helpers.abandon) through these.
     @property
@@ -257,7 +258,7 @@ class SqliteStore:
 
     def _close_sync(self) -> None:
         try:
-            if not self.readonly and self._db.conn is not None:
+            if not self.readonly and self._db.conn is not None and not self._db.full:  # full: as after kill -9
                 self._db.write_sync(self._end_session_tx)
         finally:
             self._close_connection()

@@ -29,6 +29,7 @@ import agl.store.db as db
 import agl.store.rules as rules
 import agl.store.sessions as sessions
 import agl.store.txn as txn
+from agl.errors import DiskFull
 from agl.store.codec import ROLLOUT_COLUMNS, RolloutRow, dumps
 from agl.types import Attempt, Rollout
 
@@ -228,6 +229,8 @@ class Watch:
                     logger.info("watchdog: %d attempt(s) timed out or became unresponsive", len(changed))
             except asyncio.CancelledError:
                 raise
+            except DiskFull:  # the job is stopping (its trainer gets the same error): nothing to watch
+                return
             except Exception:  # keep watching: one failed pass (e.g. a busy lock) is not fatal
                 logger.exception("store watchdog pass failed")
             await asyncio.sleep(interval)

@@ -51,7 +51,7 @@ class SharedPrompt:
         outputs, out = _decoder_or_model(policy, decoder_only)(
             1, input_ids=torch.tensor([self.ids], device=policy.device), use_cache=True
         )
-        self.cache = out.past_key_values
+        self.cache = out.cache
         self.outputs = [outputs[:, -1:]] + [t for layer in self.cache.layers for t in (layer.keys, layer.values)]
         detach = detach and torch.is_grad_enabled()
         self.inputs = [t.detach().requires_grad_() for t in self.outputs] if detach else self.outputs
@@ -108,7 +108,7 @@ def _forward(policy: Policy, batch: TokenBatch, decoder_only: bool, prompt: Shar
         input_ids=batch.completion_BT.to(device),
         attention_mask=attention,
         position_ids=torch.arange(P, P + T, device=device).expand(B, -1),
-        past_key_values=cache,
+        cache=cache,
         use_cache=True,
     )
     return torch.cat([first, outputs[:, :-1]], dim=1)  # the prompt's last output predicts token 0

@@ -8,10 +8,11 @@ the store, so a line written for a step that never committed disappears.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from peft import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
+from agl.errors import ConfigError
 from agl.report.metrics import append_metrics, draw_curves, metrics_path, rewrite_metrics
 from agl.types import Checkpoint
 
@@ -111,15 +113,33 @@ def restore_checkpoint(rt: Any, checkpoint: Checkpoint, optimizer_for: Callable[
     """Load ``checkpoint`` into the policy, the optimizer and the RNGs (Python's, torch's, the
     engine's). ``optimizer_for(state)`` names the optimizer that saved it: a trainer with stages
     has one per stage (GRPO after an SFT warm-up)."""
-    load_adapter_bytes(rt.policy, checkpoint.blobs["adapter"])
-    optimizer_for(checkpoint.state).load_state_dict(
-        torch.load(io.BytesIO(checkpoint.blobs["optimizer"]), weights_only=False)
-    )
-    rng = pickle.loads(checkpoint.blobs["rng"])
+    with damage_named(rt, checkpoint, "adapter"):
+        load_adapter_bytes(rt.policy, checkpoint.blobs["adapter"])
+    with damage_named(rt, checkpoint, "optimizer"):
+        optimizer_for(checkpoint.state).load_state_dict(
+            torch.load(io.BytesIO(checkpoint.blobs["optimizer"]), weights_only=False)
+        )
+    with damage_named(rt, checkpoint, "rng"):
+        rng = pickle.loads(checkpoint.blobs["rng"])
     random.setstate(rng["python"])
     torch.set_rng_state(rng["torch"])
     rt.engine.generator.set_state(rng["engine"])
     rt.policy.version = checkpoint.policy_version
+
+
+@contextlib.contextmanager
+def damage_named(rt: Any, checkpoint: Checkpoint, part: str) -> Iterator[None]:
+    """A checkpoint blob that does not load (bytes changed in the file) as one line naming the checkpoint,
+    the store and what to do, not the loader's traceback; the store is left as it is."""
+    try:
+        yield
+    except Exception as error:
+        cause = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise ConfigError(
+            f"the checkpoint of step {checkpoint.step} in {rt.store.path} is damaged ({part}: {cause}); agl does "
+            f"not write over it: restore the store from a copy, or move it aside (mv {rt.store.path} "
+            f"{rt.store.path}.damaged) and run again to start over"
+        ) from None
 
 
 async def log_baseline(rt: Any, eval_metrics: dict) -> None:

@@ -1,0 +1,252 @@
+"""A soak: many rollouts through the route and the runners, watching what a long run would leak.
+
+    PYTHONPATH=. python bench/soak.py --rollouts 2000            # a short check (minutes)
+    PYTHONPATH=. python bench/soak.py --rollouts 26000 --warmup 6000   # the full soak (BENCHMARKS.md)
+
+One process as a job runs it (``agl.runtime.Runtime``): the store, the tiny policy's engine, the route and
+64 runners (``--runners``), whose agents (bench/soak_agent.py) hold multi-turn chats with a tool, 1 row in
+16 failing and 1 in 32 hanging until its attempt times out, on purpose. Rollouts go in rounds of
+``--round``; after each round the process's RSS, open file descriptors, threads and the store's size on disk
+(file + WAL) are sampled, with the round's p50/p99 latency of an LLM call (seen by the agent) and of a
+rollout (start to end). After the warm-up the targets are checked: RSS grows by less than 1 MiB per 1,000
+rollouts (least-squares slope), fds and threads stay constant (no trend, and no more spread than a sample
+catches in flight: ``TRANSIENT``), the store grows linearly (bytes per rollout of the first and second half
+within 10 %). Writes bench/results/soak{suffix}.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import soak_agent
+from common import RESULTS, ROOT, model_config
+
+from agl.config import RunnerConfig, ServerConfig
+from agl.runtime import Runtime
+
+TRANSIENT = 4  # fds or threads a sample may catch in flight (a socket closing, an agent's loop thread ending)
+
+
+def sample(run_dir: Path) -> dict:
+    process = psutil.Process()
+    store = sum(p.stat().st_size for p in run_dir.glob("store.sqlite*") if p.name != "store.sqlite-shm")
+    return {
+        "rss_mib": process.memory_info().rss / 2**20,
+        "fds": len(os.listdir("/proc/self/fd")),
+        "threads": process.num_threads(),
+        "store_bytes": store,
+    }
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+
+
+async def soak(args: argparse.Namespace, run_dir: Path) -> list[dict]:
+    rt = Runtime(
+        run_dir,
+        task={"name": "soak", "agent": "soak_agent:soak_agent", "data": "soak_agent:load"},
+        model=model_config("tiny"),
+        runner=RunnerConfig(n=args.runners, timeout_seconds=args.timeout, max_attempts=1),
+        server=ServerConfig(),
+        seed=0,
+        device="cpu",
+        progress=False,
+    )
+    rows = rt.task.load("train")
+    samples: list[dict] = []
+    started = time.perf_counter()
+    async with rt:
+        resources_id = await rt.resources_id({})
+        done = 0
+        samples.append({"rollouts": 0, "seconds": 0.0, **sample(run_dir)})
+        while done < args.rollouts:
+            n = min(args.round, args.rollouts - done)
+            batch = [rows[(done + i) % len(rows)] for i in range(n)]
+            soak_agent.LATENCIES.clear()
+            rollouts = await rt.run_rollouts(
+                batch, [{"soak": done + i} for i in range(n)], mode="train", resources_id=resources_id
+            )
+            done += n
+            spans = [r.end_time - r.start_time for r in rollouts if r.end_time is not None]
+            calls = list(soak_agent.LATENCIES)
+            statuses: dict[str, int] = {}
+            for r in rollouts:
+                statuses[str(r.status)] = statuses.get(str(r.status), 0) + 1
+            row = {
+                "rollouts": done,
+                "seconds": time.perf_counter() - started,
+                **sample(run_dir),
+                "call_p50_s": quantile(calls, 0.5),
+                "call_p99_s": quantile(calls, 0.99),
+                "rollout_p50_s": quantile(spans, 0.5),
+                "rollout_p99_s": quantile(spans, 0.99),
+                "statuses": statuses,
+            }
+            samples.append(row)
+            print(
+                f"{done:>7} rollouts {row['seconds']:7.0f} s  rss {row['rss_mib']:7.1f} MiB  fds {row['fds']:4d}  "
+                f"threads {row['threads']:3d}  store {row['store_bytes'] / 2**20:7.1f} MiB  "
+                f"call p50/p99 {row['call_p50_s'] or 0:.3f}/{row['call_p99_s'] or 0:.3f} s  {statuses}",
+                flush=True,
+            )
+    return samples
+
+
+def verdict(samples: list[dict], warmup: int) -> dict:
+    after = [s for s in samples if s["rollouts"] >= warmup]
+    if len(after) < 3:
+        return {"checked": False, "why": f"fewer than 3 samples after the warm-up ({warmup} rollouts)"}
+    xs = [s["rollouts"] / 1000 for s in after]
+    rss_slope = slope(xs, [s["rss_mib"] for s in after])
+    half = len(after) // 2
+    first, second = after[: half + 1], after[half:]
+
+    def bytes_per_rollout(part: list[dict]) -> float:
+        return (part[-1]["store_bytes"] - part[0]["store_bytes"]) / max(part[-1]["rollouts"] - part[0]["rollouts"], 1)
+
+    per_first, per_second = bytes_per_rollout(first), bytes_per_rollout(second)
+    fds = sorted({s["fds"] for s in after})
+    threads = sorted({s["threads"] for s in after})
+
+    def constant(values: list[int]) -> bool:
+        """No trend, and no more spread than what is in flight at a sample (a closing socket, a loop's thread):
+        slope under 1 per 1,000 rollouts and a range of at most 4."""
+        return abs(slope(xs, values)) < 1.0 and max(values) - min(values) <= TRANSIENT
+
+    return {
+        "checked": True,
+        "warmup_rollouts": warmup,
+        "rss_mib_per_1000_rollouts": round(rss_slope, 3),
+        "rss_ok": rss_slope < 1.0,
+        "fds_seen": fds,
+        "fds_ok": constant([s["fds"] for s in after]),
+        "threads_seen": threads,
+        "threads_ok": constant([s["threads"] for s in after]),
+        "store_bytes_per_rollout": [round(per_first), round(per_second)],
+        "store_linear_ok": abs(per_second - per_first) <= 0.1 * max(per_first, 1),
+    }
+
+
+def plot(samples: list[dict], warmup: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [s["rollouts"] for s in samples]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
+    panels = [
+        (axes[0][0], "RSS (MiB)", [("rss", [s["rss_mib"] for s in samples])]),
+        (
+            axes[0][1],
+            "open fds / threads",
+            [("fds", [s["fds"] for s in samples]), ("threads", [s["threads"] for s in samples])],
+        ),
+        (axes[1][0], "store on disk (MiB)", [("store + WAL", [s["store_bytes"] / 2**20 for s in samples])]),
+        (
+            axes[1][1],
+            "LLM call latency (s)",
+            [("p50", [s.get("call_p50_s") for s in samples]), ("p99", [s.get("call_p99_s") for s in samples])],
+        ),
+    ]
+    for ax, title, lines in panels:
+        for label, ys in lines:
+            ax.plot(xs, [float("nan") if y is None else y for y in ys], label=label)
+        ax.axvline(warmup, color="grey", linestyle=":", linewidth=1)
+        ax.set_title(title)
+        ax.legend(loc="best", fontsize=8)
+    for ax in axes[1]:
+        ax.set_xlabel("rollouts")
+    fig.suptitle("soak: 64 agents on the tiny model (dotted: end of warm-up)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rollouts", type=int, default=2000)
+    parser.add_argument("--warmup", type=int, default=None, help="rollouts before the targets apply (default: 10 %%)")
+    parser.add_argument("--runners", type=int, default=64)
+    parser.add_argument("--round", type=int, default=128, help="rollouts between samples")
+    parser.add_argument("--timeout", type=int, default=30, help="seconds per attempt (the hanging rows' end)")
+    parser.add_argument("--suffix", default="", help="results file suffix: soak{suffix}.json")
+    parser.add_argument("--run-dir", default=None, help="where the store goes (default: a fresh dir under /tmp)")
+    parser.add_argument("--from-json", default=None, help="recompute the verdict, table and plot of a saved soak")
+    args = parser.parse_args()
+    warmup = args.warmup if args.warmup is not None else args.rollouts // 10
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+        samples, warmup = result["samples"], result["verdict"].get("warmup_rollouts", warmup)
+        args.rollouts, args.runners = result["rollouts"], result["runners"]
+    else:
+        run_dir = Path(args.run_dir or f"/tmp/agl-soak-{os.getpid()}")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        samples = asyncio.run(soak(args, run_dir))
+        result = {
+            "command": "PYTHONPATH=. python bench/soak.py " + " ".join(sys.argv[1:]),
+            "machine": f"{os.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB",
+            "date": time.strftime("%Y-%m-%d %H:%M"),
+            "rollouts": args.rollouts,
+            "runners": args.runners,
+        }
+    result = {**result, "verdict": verdict(samples, warmup), "samples": samples}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stem = RESULTS / f"soak{args.suffix}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(samples, warmup, stem.with_suffix(".png"))
+    v = result["verdict"]
+    last = samples[-1]
+    lines = [
+        f"# Soak: {args.rollouts} rollouts, {args.runners} agents, tiny model",
+        "",
+        f"`{result['command']}` ({result['date']}, {result['machine']}): {last['seconds']:.0f} s, "
+        f"{args.rollouts / last['seconds']:.1f} rollouts/s. Curves: `{stem.with_suffix('.png').relative_to(ROOT)}`.",
+        "",
+    ]
+    if v["checked"]:
+        lines += [
+            f"After the warm-up ({warmup} rollouts):",
+            "",
+            "| target | measured | met |",
+            "| --- | --- | --- |",
+            f"| RSS grows < 1 MiB per 1,000 rollouts | {v['rss_mib_per_1000_rollouts']} MiB | {v['rss_ok']} |",
+            f"| open fds constant | {v['fds_seen']} | {v['fds_ok']} |",
+            f"| threads constant | {v['threads_seen']} | {v['threads_ok']} |",
+            f"| store linear (bytes/rollout, 1st vs 2nd half) | {v['store_bytes_per_rollout']} "
+            f"| {v['store_linear_ok']} |",
+        ]
+    else:
+        lines.append(f"Targets not checked: {v['why']}.")
+    lines += [
+        "",
+        f"Last round: RSS {last['rss_mib']:.1f} MiB, {last['fds']} fds, {last['threads']} threads, store "
+        f"{last['store_bytes'] / 2**20:.1f} MiB, LLM call p50/p99 {last['call_p50_s'] or 0:.3f}/"
+        f"{last['call_p99_s'] or 0:.3f} s, rollout p50/p99 {last['rollout_p50_s'] or 0:.2f}/"
+        f"{last['rollout_p99_s'] or 0:.2f} s.",
+    ]
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
