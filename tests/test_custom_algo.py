@@ -1,7 +1,7 @@
 """``algo=custom`` (your own async function on the run's store, runners and route) and ``agl.run``.
 
 On the tiny random model, with an agent whose reward the prompt template decides
-(workflow_agents.marker_agent): the README's find_best_prompt (tests/my_algo.py) must pick
+(workflow_agents.marker_agent): docs/algorithms.md's find_best_prompt (tests/my_algo.py) must pick
 the marked template, through ``agl.run`` (harness.py's job in this process: harness.py itself is run
 by tests/test_harness.py).
 """
@@ -56,9 +56,9 @@ def assert_marked_wins(result: dict) -> None:
 # ----------------------------------------------------------------------------- the harness
 
 
-def test_readme_find_best_prompt_is_tests_my_algo():
-    """The README's own-algorithm example is tests/my_algo.py verbatim (the file the tests run)."""
-    assert (ROOT / "tests" / "my_algo.py").read_text().strip() in (ROOT / "README.md").read_text()
+def test_docs_find_best_prompt_is_tests_my_algo():
+    """docs/algorithms.md's own-algorithm example is tests/my_algo.py verbatim (the file the tests run)."""
+    assert (ROOT / "tests" / "my_algo.py").read_text().strip() in (ROOT / "docs" / "algorithms.md").read_text()
 
 
 def test_a_bad_algo_fn_fails_the_job_before_the_model_loads(tmp_path):
@@ -140,8 +140,8 @@ def test_parameters_are_matched_by_name():
 
 
 async def test_agl_run_inside_a_running_loop_runs_the_readme_algorithm_and_report_reads_its_run(tmp_path, capsys):
-    """The README's `python harness.py task=hello algo=custom algo.fn=my_algo:find_best_prompt`, as a notebook runs
-    it: its kernel runs an event loop, so the job (which starts its own) runs in a thread."""
+    """The `python harness.py task=hello algo=custom algo.fn=my_algo:find_best_prompt` of docs/algorithms.md, as a
+    notebook runs it: its kernel runs an event loop, so the job (which starts its own) runs in a thread."""
     run_dir = tmp_path / "run"
     result = agl.run(*FIND_BEST, run_dir=run_dir)
     assert_marked_wins(result)

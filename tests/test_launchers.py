@@ -5,7 +5,7 @@ still summarized.
 One 2-job sweep per launcher. Re-running a sweep (finished jobs skipped, failed and killed ones
 resumed) is agl's logic, not a launcher's: tests/test_sweep.py runs it once, on the basic launcher.
 SLURM and Ray need a cluster: for them the composed launcher config and agl's thread count for it
-are tested (README "Sweeps" has the overrides).
+are tested (docs/running.md "Sweeps" and docs/gpu.md "Clusters" have the overrides).
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def test_the_jobs_of_a_sweep_are_counted_from_its_multirun_yaml(tmp_path):
 
 
 def test_slurm_launcher_config_composes_and_cpus_per_task_bounds_the_threads():
-    """What can be checked of SLURM here: the README's overrides pass harness.py's checks and compose (what
+    """What can be checked of SLURM here: docs/gpu.md's overrides pass harness.py's checks and compose (what
     `harness.py ... --cfg hydra -p hydra.launcher` prints), and a job takes the cores of its allocation."""
     pytest.importorskip("hydra_plugins.hydra_submitit_launcher", reason="the launchers extra")
     overrides = [

@@ -1,4 +1,4 @@
-"""One seed gives one run, and kill -9 changes nothing (README "Resume"), on each device.
+"""One seed gives one run, and kill -9 changes nothing (docs/running.md "Resume and reproducibility"), on each device.
 
 Real harness subprocesses on the reference run (tests/runs.py): the same config and seed must end with
 byte-identical adapters, metrics and recorded tokens, with or without kills at random moments, inside a

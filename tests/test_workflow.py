@@ -276,14 +276,14 @@ def test_report_reads_a_run_without_loading_a_model(reference, tmp_path):
 
 
 def test_readme_custom_task_runs_through_task_custom(tmp_path, monkeypatch):
-    """The README's own-agent example, verbatim, trains through `task=custom` from the user's dir: the job
+    """docs/agents.md's own-agent example, verbatim, trains through `task=custom` from the user's dir: the job
     harness.py runs, here in this process (agl.run), with the user's dir as the working directory and nothing
     else to import `my_agent` from."""
-    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "docs" / "agents.md").read_text()
     agent = (TESTS / "my_agent.py").read_text()
     data = (TESTS / "capitals.jsonl").read_text()
-    assert agent.strip() in readme and data.strip() in readme, (
-        "README and tests/my_agent.py, tests/capitals.jsonl differ"
+    assert agent.strip() in page and data.strip() in page, (
+        "docs/agents.md and tests/my_agent.py, tests/capitals.jsonl differ"
     )
     shutil.copy(TESTS / "my_agent.py", tmp_path / "my_agent.py")
     shutil.copy(TESTS / "capitals.jsonl", tmp_path / "capitals.jsonl")

@@ -22,10 +22,11 @@ Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
 def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, float]:
     """The Wilson score interval (95% by default) of a rate ``successes / n``.
 
-    >>> [round(x, 4) for x in wilson_interval(5, 100)]
-    [0.0215, 0.1118]
-    >>> wilson_interval(0, 20)[0], wilson_interval(20, 20)[1]
-    (0.0, 1.0)
+    Examples:
+        >>> [round(x, 4) for x in wilson_interval(5, 100)]
+        [0.0215, 0.1118]
+        >>> wilson_interval(0, 20)[0], wilson_interval(20, 20)[1]
+        (0.0, 1.0)
     """
     if n == 0:
         return float("nan"), float("nan")
@@ -42,10 +43,11 @@ def wilson_interval(successes: int, n: int, z: float = Z95) -> tuple[float, floa
 def mcnemar_exact(gained: int, lost: int) -> float:
     """Two-sided exact McNemar p-value: ``gained`` tasks went 0 -> 1, ``lost`` went 1 -> 0.
 
-    >>> mcnemar_exact(0, 0), mcnemar_exact(5, 5)
-    (1.0, 1.0)
-    >>> round(mcnemar_exact(10, 0), 5)  # 2 * 0.5**10
-    0.00195
+    Examples:
+        >>> mcnemar_exact(0, 0), mcnemar_exact(5, 5)
+        (1.0, 1.0)
+        >>> round(mcnemar_exact(10, 0), 5)  # 2 * 0.5**10
+        0.00195
     """
     n = gained + lost
     if n == 0:
@@ -63,8 +65,9 @@ def mcnemar_power(n: int, gain_rate: float, loss_rate: float, alpha: float = 0.0
     Binomial(d, gain_rate / (gain_rate + loss_rate)), and the test rejects for the gains whose p-value
     (``mcnemar_exact``) is under ``alpha``. Exact sums, in logs (no normal approximation).
 
-    >>> round(mcnemar_power(100, 0.1, 0.0), 4)  # rejects from 8 gains and no loss on: P(Bin(100, 0.1) >= 8)
-    0.7939
+    Examples:
+        >>> round(mcnemar_power(100, 0.1, 0.0), 4)  # rejects from 8 gains and no loss on: P(Bin(100, 0.1) >= 8)
+        0.7939
     """
     discordant = gain_rate + loss_rate
     if n <= 0 or discordant <= 0:
@@ -81,8 +84,9 @@ def sample_size_for_power(
     """The fewest paired tasks from which McNemar's exact test reaches ``power`` at ``alpha`` (``mcnemar_power``),
     and keeps it at every size up to 10% more (an exact test's power saws up and down with n).
 
-    >>> sample_size_for_power(0.1, 0.0, alpha=0.01, power=0.8)
-    101
+    Examples:
+        >>> sample_size_for_power(0.1, 0.0, alpha=0.01, power=0.8)
+        101
     """
     n = 1
     while n <= max_n:
@@ -124,8 +128,9 @@ def is_binary(values: Sequence[float]) -> bool:
 def rate_with_interval(values: Sequence[float]) -> dict[str, float]:
     """``{"rate", "lo", "hi", "n"}`` of 0/1 values.
 
-    >>> rate_with_interval([1, 0, 0, 0])["rate"]
-    0.25
+    Examples:
+        >>> rate_with_interval([1, 0, 0, 0])["rate"]
+        0.25
     """
     n, k = len(values), int(sum(values))
     lo, hi = wilson_interval(k, n)
@@ -136,8 +141,9 @@ def paired_change(before: Mapping[Any, float], after: Mapping[Any, float]) -> di
     """Compare 0/1 scores of the same tasks (keys) before and after: rates, the tasks gained and
     lost, and McNemar's exact p-value. Tasks scored only once are left out.
 
-    >>> paired_change({"a": 0, "b": 0, "c": 1}, {"a": 1, "b": 1, "c": 1, "d": 1})
-    {'n': 3, 'before': 0.3333333333333333, 'after': 1.0, 'gained': 2, 'lost': 0, 'p': 0.5}
+    Examples:
+        >>> paired_change({"a": 0, "b": 0, "c": 1}, {"a": 1, "b": 1, "c": 1, "d": 1})
+        {'n': 3, 'before': 0.3333333333333333, 'after': 1.0, 'gained': 2, 'lost': 0, 'p': 0.5}
     """
     tasks = [t for t in before if t in after]
     gained = sum(1 for t in tasks if after[t] > before[t])

@@ -78,7 +78,7 @@ def load_algorithm(algo: Any) -> tuple[Callable, list[str]]:
     algo = typed(CustomConfig, algo)
     if not algo.fn:
         raise ConfigError(
-            'algo=custom needs algo.fn=module:function, an async function (see README "Your own algorithm")'
+            'algo=custom needs algo.fn=module:function, an async function (see docs/algorithms.md "Your own algorithm")'
         )
     spec = str(algo.fn)
     fn = import_object(spec)

@@ -132,9 +132,10 @@ class ModelServer:
 
     The engine's lifecycle is the caller's: start it before serving, stop it after ``stop()``.
 
-    >>> server = ModelServer(engine, policy, store)     # doctest: +SKIP
-    >>> await server.start(); server.base_url            # doctest: +SKIP
-    'http://127.0.0.1:40321/v1'
+    Examples:
+        >>> server = ModelServer(engine, policy, store)     # doctest: +SKIP
+        >>> await server.start(); server.base_url            # doctest: +SKIP
+        'http://127.0.0.1:40321/v1'
     """
 
     def __init__(

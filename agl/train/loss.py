@@ -53,11 +53,12 @@ _PER_TOKEN = ("dapo", "cispo", "opmd")  # every sampled token of the step counts
 def token_weights(mask_NT: torch.Tensor, loss_type: str, max_completion_length: int) -> torch.Tensor:
     """Weight of each token in the step's loss, over ALL N sequences of the step. [N, T]
 
-    >>> m = torch.tensor([[1., 1., 0.], [1., 0., 0.]])
-    >>> token_weights(m, "grpo", 3).tolist()   # each sequence sums to 1/N
-    [[0.25, 0.25, 0.0], [0.5, 0.0, 0.0]]
-    >>> token_weights(m, "dapo", 3).tolist()   # each sampled token is 1/3
-    [[0.3333333432674408, 0.3333333432674408, 0.0], [0.3333333432674408, 0.0, 0.0]]
+    Examples:
+        >>> m = torch.tensor([[1., 1., 0.], [1., 0., 0.]])
+        >>> token_weights(m, "grpo", 3).tolist()   # each sequence sums to 1/N
+        [[0.25, 0.25, 0.0], [0.5, 0.0, 0.0]]
+        >>> token_weights(m, "dapo", 3).tolist()   # each sampled token is 1/3
+        [[0.3333333432674408, 0.3333333432674408, 0.0], [0.3333333432674408, 0.0, 0.0]]
     """
     if loss_type not in LOSS_TYPES:
         raise ValueError(f"loss_type '{loss_type}' is not one of {LOSS_TYPES}")
@@ -224,8 +225,9 @@ def group_advantages(
     ``scale``: ``group`` divides by the group's std, ``batch`` by the whole batch's std
     (``batch_std``), ``none`` only centres (Dr. GRPO).
 
-    >>> [round(a, 4) for a in group_advantages(torch.tensor([1., 0., 0., 1.])).tolist()]  # std 0.5774
-    [0.8659, -0.8659, -0.8659, 0.8659]
+    Examples:
+        >>> [round(a, 4) for a in group_advantages(torch.tensor([1., 0., 0., 1.])).tolist()]  # std 0.5774
+        [0.8659, -0.8659, -0.8659, 0.8659]
     """
     centred_G = rewards_G - rewards_G.mean()
     if scale == "none":
