@@ -36,6 +36,7 @@ import hydra  # noqa: E402
 from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from agl.config import check_command_line, register_configs  # noqa: E402
+from agl.config.choices import register_help_resolver  # noqa: E402
 from agl.jobs.launchers import check_launcher  # noqa: E402
 from agl.report.sweep import job_dir_name, sweep_id  # noqa: E402
 
@@ -53,6 +54,7 @@ OmegaConf.register_new_resolver(
 # value) and the same job subdirs, so re-running it skips finished jobs and resumes the rest.
 OmegaConf.register_new_resolver("agl_sweep_id", lambda: sweep_id(), use_cache=True)
 OmegaConf.register_new_resolver("agl_job_dir", job_dir_name)
+register_help_resolver(os.path.join(ROOT, "conf"))  # --help's list of the groups' choices (conf/hydra/help/agl.yaml)
 register_configs()  # the typed schemas conf/'s defaults lists name (agl/config/schema.py)
 
 

@@ -17,6 +17,7 @@ No torch here: ``harness.py`` registers these before every job, ``report=`` incl
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import ipaddress
 import socket
@@ -32,6 +33,16 @@ from agl.errors import ConfigError
 NO_API_KEY = "agl"  # what clients send when server.api_key is null (the route then checks no key)
 
 
+def doc(default: Any, text: str) -> Any:
+    """A schema key: its default, and its doc in the field's metadata (``metadata["doc"]``), where code reads it:
+    ``python -m agl.config.reference`` writes docs/config-reference.md from these. A list, a dict or a nested config
+    as the default is copied for each instance (dataclasses' ``default_factory``)."""
+    metadata = {"doc": text}
+    if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
+        return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
 # ----------------------------------------------------------------------------- top level
 
 
@@ -39,17 +50,23 @@ NO_API_KEY = "agl"  # what clients send when server.api_key is null (the route t
 class RunnerConfig:
     """``runner.*``: asyncio workers that run the agent on dequeued rollouts (agl/agents/runner.py)."""
 
-    n: int = (
-        32  # concurrent rollouts in the job's process (the engine batches their LLM calls); 0: runner processes only
+    n: int = doc(
+        32, "concurrent rollouts in the job's process (the engine batches their LLM calls); 0: runner processes only"
     )
-    processes: int = 0  # runner processes the job starts (agl/agents/attach.py), for agents that hold the GIL or block
-    per_process: int = 8  # concurrent rollouts in each runner process (its runner.n)
-    timeout_seconds: int = 600  # per attempt, from its start
-    unresponsive_seconds: int = 300
-    max_attempts: int = 2
-    retry_condition: list[str] = field(default_factory=lambda: ["failed", "timeout", "unresponsive"])
-    collect_every: int = (
-        32  # finished rollouts between full garbage collections + malloc_trim (agl.memory.collect); 0: never
+    processes: int = doc(
+        0, "runner processes the job starts (agl/agents/attach.py), for agents that hold the GIL or block"
+    )
+    per_process: int = doc(8, "concurrent rollouts in each runner process (its runner.n)")
+    timeout_seconds: int = doc(600, "per attempt, from its start; a longer attempt is `timeout`")
+    unresponsive_seconds: int = doc(
+        300, "an attempt with no heartbeat for this long is `unresponsive` (agl/store/rules.py)"
+    )
+    max_attempts: int = doc(2, "attempts charged to a rollout before a retryable failure is final")
+    retry_condition: list[str] = doc(
+        ["failed", "timeout", "unresponsive"], "the attempt statuses that send a rollout back to the queue"
+    )
+    collect_every: int = doc(
+        32, "finished rollouts between full garbage collections + malloc_trim (agl.memory.collect); 0: never"
     )
 
 
@@ -57,16 +74,16 @@ class RunnerConfig:
 class EngineConfig:
     """``engine.*``: the batched sampler (agl/policy/engine.py)."""
 
-    max_batch_size: int = 64  # sequences decoded together
-    max_prefill_tokens: int = 8192
-    weights: str = (
-        "merged"  # merged: dense base+LoRA matrices, re-merged after each update | adapter: through the training model
+    max_batch_size: int = doc(64, "sequences decoded together")
+    max_prefill_tokens: int = doc(8192, "prompt tokens prefilled in one engine step at most")
+    weights: str = doc(
+        "merged", "merged: dense base+LoRA matrices, re-merged after each update | adapter: through the training model"
     )
-    batch_invariant: Any = (
-        "auto"  # auto (on when model.compute_dtype=float32) | true | false (agl.runtime.batch_invariant)
+    batch_invariant: Any = doc(
+        "auto", "auto (on when model.compute_dtype=float32) | true | false (agl.runtime.batch_invariant)"
     )
-    decode: str = (
-        "fast"  # fast: agl/policy/decode.py's step for Llama-family merged samplers | model: the model's forward
+    decode: str = doc(
+        "fast", "fast: agl/policy/decode.py's step for Llama-family merged samplers | model: the model's forward"
     )
 
 
@@ -74,26 +91,30 @@ class EngineConfig:
 class ServerConfig:
     """``server.*``: the OpenAI-compatible route agents call (agl/route/server.py)."""
 
-    host: str = "127.0.0.1"  # a non-loopback address needs api_key (or allow_public): check_server_exposure
-    port: int = 0  # 0: a free port
-    api_key: Optional[str] = None  # set to require "Authorization: Bearer <key>"
-    allow_public: bool = False  # serve a non-loopback host without api_key (anyone who reaches it may call it)
-    max_request_bytes: int = 4 * 1024 * 1024  # a larger request body is a 413, refused before it is held whole
-    frozen_models: list[str] = field(default_factory=lambda: ["base"])  # names served as the base model (adapter off)
-    default_max_tokens: int = 1024  # for a call that gives no max_tokens (rollouts normally carry their algo's)
-    history_attempts: int = 256  # attempts whose recent turns the route keeps in memory for prefix reuse (LRU)
-    history_turns: int = 8  # turns kept per attempt; older ones are read back from the store's spans
-    stored_responses: int = 1024  # Responses API: the last N stored responses kept for previous_response_id and GET
+    host: str = doc("127.0.0.1", "a non-loopback address needs api_key (or allow_public): check_server_exposure")
+    port: int = doc(0, "0: a free port")
+    api_key: Optional[str] = doc(None, 'set to require "Authorization: Bearer <key>"')
+    allow_public: bool = doc(False, "serve a non-loopback host without api_key (anyone who reaches it may call it)")
+    max_request_bytes: int = doc(4 * 1024 * 1024, "a larger request body is a 413, refused before it is held whole")
+    frozen_models: list[str] = doc(["base"], "names served as the base model (adapter off)")
+    default_max_tokens: int = doc(1024, "for a call that gives no max_tokens (rollouts normally carry their algo's)")
+    history_attempts: int = doc(256, "attempts whose recent turns the route keeps in memory for prefix reuse (LRU)")
+    history_turns: int = doc(8, "turns kept per attempt; older ones are read back from the store's spans")
+    stored_responses: int = doc(
+        1024, "Responses API: the last N stored responses kept for previous_response_id and GET"
+    )
 
 
 @dataclasses.dataclass
 class EvalCacheConfig:
     """``eval_cache.*``: greedy evals' scores kept per problem across runs and jobs (agl/eval/cache.py)."""
 
-    dir: Optional[str] = None  # null: $AGL_EVAL_CACHE, else $AGL_CACHE/evals, else ~/.cache/agl/evals
-    # any: reuse every row whose key matches | exact: only rows a batch-invariant engine computed (bit-for-bit
-    # replays; a bf16 batched job then recomputes its evals) | off: neither read nor write
-    reuse: str = "any"
+    dir: Optional[str] = doc(None, "null: $AGL_EVAL_CACHE, else $AGL_CACHE/evals, else ~/.cache/agl/evals")
+    reuse: str = doc(
+        "any",
+        "any: reuse every row whose key matches | exact: only rows a batch-invariant engine computed (bit-for-bit "
+        "replays; a bf16 batched job then recomputes its evals) | off: neither read nor write",
+    )
 
 
 def is_loopback(host: str) -> bool:
@@ -131,21 +152,21 @@ def client_api_key(server: Any) -> str:
 class Config:
     """The top level (conf/config.yaml). ``model``, ``task`` and ``algo`` come from their groups."""
 
-    model: Any = MISSING
-    task: Any = MISSING
-    algo: Any = MISSING
-    seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda
-    progress: bool = True  # tqdm bars
-    resume: Optional[str] = None  # a run dir to continue
-    report: Optional[str] = None  # a run dir or sweep dir to summarize (no model loaded)
-    attach: Optional[str] = None  # algo=runner: the run dir of a running job to join as a runner process
-    threads: Optional[int] = None  # torch/OpenMP threads per job; null: auto (agl/jobs/launchers.py)
-    logger: Any = None  # tensorboard | wandb | [tensorboard, wandb] | null (agl/report/loggers.py)
-    runner: RunnerConfig = field(default_factory=RunnerConfig)
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
-    eval_cache: EvalCacheConfig = field(default_factory=EvalCacheConfig)
+    model: Any = doc(MISSING, "the model group: model=<name> picks conf/model/<name>.yaml (ModelConfig)")
+    task: Any = doc(MISSING, "the task group: task=<name> picks conf/task/<name>.yaml (TaskConfig)")
+    algo: Any = doc(MISSING, "the algo group: algo=<name> picks conf/algo/<name>.yaml (its schema: ALGO_SCHEMAS)")
+    seed: int = doc(0, "the run's seed (agl/seeding.py): sampling and the LoRA's initialisation derive from it")
+    device: str = doc("auto", "auto | cpu | cuda")
+    progress: bool = doc(True, "tqdm bars")
+    resume: Optional[str] = doc(None, "a run dir to continue")
+    report: Optional[str] = doc(None, "a run dir or sweep dir to summarize (no model loaded)")
+    attach: Optional[str] = doc(None, "algo=runner: the run dir of a running job to join as a runner process")
+    threads: Optional[int] = doc(None, "torch/OpenMP threads per job; null: auto (agl/jobs/launchers.py)")
+    logger: Any = doc(None, "tensorboard | wandb | [tensorboard, wandb] | null (agl/report/loggers.py)")
+    runner: RunnerConfig = doc(RunnerConfig(), "runner.*: the asyncio workers that run the agent")
+    engine: EngineConfig = doc(EngineConfig(), "engine.*: the batched sampler")
+    server: ServerConfig = doc(ServerConfig(), "server.*: the OpenAI-compatible route agents call")
+    eval_cache: EvalCacheConfig = doc(EvalCacheConfig(), "eval_cache.*: greedy evals' scores kept across runs")
 
 
 # ----------------------------------------------------------------------------- model
@@ -153,51 +174,65 @@ class Config:
 
 @dataclasses.dataclass
 class LoraConfig:
-    r: int = 16
-    alpha: int = 32
-    dropout: float = 0.0
-    target_modules: Any = (
-        "all-linear"  # all-linear (every linear layer but the output projection) | a list of names | a regex
+    """``model.lora.*``: the LoRA adapter that training updates (peft's LoraConfig)."""
+
+    r: int = doc(16, "rank of each adapter's A and B matrices")
+    alpha: int = doc(32, "scaling: the update is (alpha / r) * B @ A")
+    dropout: float = doc(0.0, "dropout on the adapter's input")
+    target_modules: Any = doc(
+        "all-linear", "all-linear (every linear layer but the output projection) | a list of names | a regex"
     )
-    # A LoRA (same r, alpha) on the vocabulary matrices too (README "LoRA on the vocabulary matrices").
-    train_embeddings: bool = False
-    train_head: bool = False
-    # The update runs each LoRA linear as one matmul with W + scale·B·A (agl/train/merged_lora.py; the same gradients).
-    train_merged: Any = "auto"  # auto (on when the policy computes in float32) | true | false
+    train_embeddings: bool = doc(
+        False, 'a LoRA (same r, alpha) on the input embedding matrix too (README "LoRA on the vocabulary matrices")'
+    )
+    train_head: bool = doc(
+        False, 'a LoRA (same r, alpha) on the output head too (README "LoRA on the vocabulary matrices")'
+    )
+    train_merged: Any = doc(
+        "auto",
+        "the update runs each LoRA linear as one matmul with W + scale·B·A (agl/train/merged_lora.py; the same "
+        "gradients): auto (on when the policy computes in float32) | true | false",
+    )
 
 
 @dataclasses.dataclass
 class TinyConfig:
     """``model.path=tiny``: a random-weight model with the real SmolLM2 tokenizer (conf/model/tiny.yaml; real
-    models' shapes: conf/model/shape_*.yaml)."""
+    models' shapes: conf/model/shape_*.yaml). The keys are transformers' config keys of the same names."""
 
-    architecture: str = "llama"  # llama | qwen2 (transformers' LlamaConfig / Qwen2Config)
-    hidden_size: int = 64
-    intermediate_size: int = 128
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 2
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = True  # like SmolLM2's
-    rope_theta: Optional[float] = None  # null: the architecture's default
-    rms_norm_eps: Optional[float] = None  # null: the architecture's default
-    seed: int = 0
+    architecture: str = doc("llama", "llama | qwen2 (transformers' LlamaConfig / Qwen2Config)")
+    hidden_size: int = doc(64, "width of the residual stream")
+    intermediate_size: int = doc(128, "width of each MLP's hidden layer")
+    num_hidden_layers: int = doc(2, "decoder layers")
+    num_attention_heads: int = doc(4, "query heads per layer")
+    num_key_value_heads: int = doc(2, "key/value heads per layer (grouped-query attention)")
+    max_position_embeddings: int = doc(2048, "the longest sequence the model takes")
+    tie_word_embeddings: bool = doc(True, "one matrix for input embeddings and output head, like SmolLM2's")
+    rope_theta: Optional[float] = doc(None, "RoPE base; null: the architecture's default")
+    rms_norm_eps: Optional[float] = doc(None, "RMSNorm epsilon; null: the architecture's default")
+    seed: int = doc(0, "seeds the random weights")
 
 
 @dataclasses.dataclass
 class ModelConfig:
-    name: str = "SmolLM2-135M-Instruct"
-    path: str = "embedded"  # embedded | tiny | a local HF model dir | a hub id
-    # path=tiny: a directory holding a HF tokenizer (bench/export_tokenizer.py writes the embedded one's);
-    # null: the embedded model's, converted from its GGUF
-    tokenizer: Optional[str] = None
-    cache_dir: str = "~/.cache/agl"  # the yaml reads $AGL_CACHE first
-    quantization: str = "nf4"  # nf4 | fp4 | int8 | none
-    double_quant: bool = False
-    compute_dtype: str = "auto"  # auto (bf16 where native, else fp32) | float32 | bfloat16 | float16
-    adapter: Optional[str] = None  # an adapter dir, or a run dir holding one: start from an earlier run
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    tiny: Optional[TinyConfig] = None  # set by conf/model/tiny.yaml
+    """``model.*``: the policy, a 4-bit quantized base model with a LoRA (agl/policy/)."""
+
+    name: str = doc("SmolLM2-135M-Instruct", "the model name the route serves and runs record")
+    path: str = doc("embedded", "embedded | tiny | a local HF model dir | a hub id")
+    tokenizer: Optional[str] = doc(
+        None,
+        "path=tiny: a directory holding a HF tokenizer (bench/export_tokenizer.py writes the embedded one's); "
+        "null: the embedded model's, converted from its GGUF",
+    )
+    cache_dir: str = doc(
+        "~/.cache/agl", "where the dequantized safetensors copy lives; the yaml reads $AGL_CACHE first"
+    )
+    quantization: str = doc("nf4", "nf4 | fp4 | int8 | none")
+    double_quant: bool = doc(False, "quantize the 4-bit quantization constants too (bitsandbytes' double quant)")
+    compute_dtype: str = doc("auto", "auto (bf16 where native, else fp32) | float32 | bfloat16 | float16")
+    adapter: Optional[str] = doc(None, "an adapter dir, or a run dir holding one: start from an earlier run")
+    lora: LoraConfig = doc(LoraConfig(), "model.lora.*: the adapter that training updates")
+    tiny: Optional[TinyConfig] = doc(None, "model.tiny.*: the random-weight model's shape; set by conf/model/tiny.yaml")
 
 
 # ----------------------------------------------------------------------------- task
@@ -210,95 +245,103 @@ DEFAULT_PROMPTS = {"default": "{question}"}  # the templates of a task that list
 class TaskConfig:
     """The keys agl reads; ``resources``, ``prompts`` and ``recipe`` take any keys (the task's own)."""
 
-    name: str = MISSING
-    agent: str = MISSING  # module:function
-    data: Any = MISSING  # module:function(split) | a .jsonl path | {split: a .jsonl path}
-    demonstrations: Optional[str] = None  # for algo=sft: a .jsonl of {"messages": [...]} lines, or module:function
-    max_tokens: int = 128  # per LLM call
-    train_split: str = "train"
-    eval_split: str = "test"
-    eval_size: int = 16  # the first N rows of eval_split; 0 = all
-    # the baseline and final evals of algo=grpo: null = eval_size, 0 = all, else the first eval_size rows and a
-    # choice of the others (seeded by final_eval_seed alone: every run evaluates the same problems) up to this many
-    final_eval_size: Optional[int] = None
-    final_eval_seed: int = 0
-    prompt: str = "default"
-    prompts: dict[str, Any] = field(
-        default_factory=dict
-    )  # templates the agent gets as prompt_template; empty: DEFAULT_PROMPTS
-    resources: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments for the agent
-    recipe: dict[str, Any] = field(
-        default_factory=dict
-    )  # warmup_steps, steps, eval_every: algo=grpo's unless overridden
+    name: str = doc(MISSING, "names the task in run dirs, reports and the store")
+    agent: str = doc(MISSING, "module:function")
+    data: Any = doc(MISSING, "module:function(split) | a .jsonl path | {split: a .jsonl path}")
+    demonstrations: Optional[str] = doc(None, 'for algo=sft: a .jsonl of {"messages": [...]} lines, or module:function')
+    max_tokens: int = doc(128, "per LLM call")
+    train_split: str = doc("train", "the split training draws its tasks from")
+    eval_split: str = doc("test", "the split evals draw their tasks from")
+    eval_size: int = doc(16, "the first N rows of eval_split; 0 = all")
+    final_eval_size: Optional[int] = doc(
+        None,
+        "the baseline and final evals of algo=grpo: null = eval_size, 0 = all, else the first eval_size rows and a "
+        "choice of the others (seeded by final_eval_seed alone: every run evaluates the same problems) up to this many",
+    )
+    final_eval_seed: int = doc(0, "seeds final_eval_size's choice of problems (not the run's seed)")
+    prompt: str = doc("default", "which of prompts the agent gets")
+    prompts: dict[str, Any] = doc({}, "templates the agent gets as prompt_template; empty: DEFAULT_PROMPTS")
+    resources: dict[str, Any] = doc({}, "extra keyword arguments for the agent")
+    recipe: dict[str, Any] = doc({}, "warmup_steps, steps, eval_every: algo=grpo's unless overridden")
 
 
 # ----------------------------------------------------------------------------- algo
+
+ALGO_NAME = "which algo runs: set by conf/algo/<name>.yaml, read by agl/jobs/dispatch.py"
 
 
 @dataclasses.dataclass
 class SFTConfig:
     """``algo=sft`` (agl/train/sft.py), and ``algo.warmup`` of ``algo=grpo``."""
 
-    name: str = "sft"
-    split: str = "train"  # the yaml: ${task.train_split}
-    steps: int = 100  # optimizer steps
-    epochs: Optional[float] = None  # if set, replaces steps: ceil(epochs * demonstrations / batch_size)
-    batch_size: int = 8  # conversations per optimizer step
-    micro_batch_size: int = 4  # conversations per forward/backward pass at most
-    micro_batch_tokens: Optional[int] = (
-        None  # tokens per pass at most, padding included (None: only micro_batch_size bounds them)
+    name: str = doc("sft", ALGO_NAME)
+    split: str = doc("train", "the split whose demonstrations it trains on; the yaml: ${task.train_split}")
+    steps: int = doc(100, "optimizer steps")
+    epochs: Optional[float] = doc(None, "if set, replaces steps: ceil(epochs * demonstrations / batch_size)")
+    batch_size: int = doc(8, "conversations per optimizer step")
+    micro_batch_size: int = doc(4, "conversations per forward/backward pass at most")
+    micro_batch_tokens: Optional[int] = doc(
+        None, "tokens per pass at most, padding included (None: only micro_batch_size bounds them)"
     )
-    # replay each decoder layer in backward instead of keeping its activations (agl/train/activation_checkpointing.py)
-    gradient_checkpointing: bool = True
-    lr: float = 2e-4  # GSM8K: 40 steps at 2e-4 take format 0 -> 0.79 (RESULTS.md)
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    max_length: int = 1024  # tokens per conversation; longer ones are cut
-    eval: bool = True  # false: no evals
-    eval_every: int = 0  # steps; also before the first step and after the last
-    max_tokens: int = 128  # for the evals; the yaml: ${task.max_tokens}
-
-
-def _no_warmup() -> SFTConfig:
-    return SFTConfig(steps=0)
+    gradient_checkpointing: bool = doc(
+        True,
+        "replay each decoder layer in backward instead of keeping its activations "
+        "(agl/train/activation_checkpointing.py)",
+    )
+    lr: float = doc(2e-4, "AdamW learning rate. GSM8K: 40 steps at 2e-4 take format 0 -> 0.79 (RESULTS.md)")
+    weight_decay: float = doc(0.0, "AdamW weight decay")
+    max_grad_norm: float = doc(1.0, "gradients are clipped to this global norm")
+    max_length: int = doc(1024, "tokens per conversation; longer ones are cut")
+    eval: bool = doc(True, "false: no evals")
+    eval_every: int = doc(0, "steps; also before the first step and after the last")
+    max_tokens: int = doc(128, "for the evals; the yaml: ${task.max_tokens}")
 
 
 @dataclasses.dataclass
 class GRPOConfig:
     """``algo=grpo``: one step = batch_size tasks x group_size rollouts, then one update (agl/train/grpo.py)."""
 
-    name: str = "grpo"
-    steps: int = 30  # the yaml: the task's recipe.steps, else 30
-    batch_size: int = 4  # B: tasks per step
-    group_size: int = 8  # G: rollouts per task, compared with each other
-    lr: float = 2e-4
-    loss_type: str = "dapo"  # grpo | dr_grpo | dapo | gspo | cispo | sapo | opmd (agl/train/loss.py's docstring)
-    scale_rewards: str = "group"  # group | batch | none
-    epsilon: float = 0.2
-    epsilon_high: Optional[float] = 0.28
-    beta: float = 0.0  # KL weight against the base model (adapter off); 0 skips the reference pass
-    num_iterations: int = 1  # mu: optimizer passes over each batch
-    old_logprobs: str = "recorded"  # recorded (sampling-time, from spans) | recompute (trainer forward before step)
-    micro_batch_size: Optional[int] = (
-        None  # rows per forward/backward pass at most (None: only micro_batch_tokens bounds them)
+    name: str = doc("grpo", ALGO_NAME)
+    steps: int = doc(30, "GRPO steps; the yaml: the task's recipe.steps, else 30")
+    batch_size: int = doc(4, "B: tasks per step")
+    group_size: int = doc(8, "G: rollouts per task, compared with each other")
+    lr: float = doc(2e-4, "AdamW learning rate")
+    loss_type: str = doc("dapo", "grpo | dr_grpo | dapo | gspo | cispo | sapo | opmd (agl/train/loss.py's docstring)")
+    scale_rewards: str = doc(
+        "group", "group | batch | none: divide each group's centred rewards by the group's std, the batch's, or not"
     )
-    micro_batch_tokens: Optional[int] = (
-        2048  # tokens per pass at most, padding included (plan_micro_batches); None: no cap
+    epsilon: float = doc(0.2, "the clip range's lower side: the ratio is clipped below at 1 - epsilon")
+    epsilon_high: Optional[float] = doc(
+        0.28, "the clip range's upper side (1 + epsilon_high; DAPO's clip-higher); None: epsilon"
     )
-    # replay each decoder layer in backward instead of keeping its activations (agl/train/activation_checkpointing.py)
-    gradient_checkpointing: bool = True
-    max_grad_norm: float = 1.0
-    mask_truncated: bool = False  # true: completions cut by max_tokens carry no loss
-    drop_zero_std: bool = True  # skip groups whose rewards are all equal: they teach nothing
-    weight_decay: float = 0.0
-    opmd_tau: float = 1.0  # loss_type=opmd: loss / (1 + tau) (Trinity-RFT's default)
-    sapo_tau_pos: float = 1.0  # loss_type=sapo: soft-gate temperature for advantages > 0 (SAPO paper / TRL)
-    sapo_tau_neg: float = 1.05  # ... and for advantages <= 0 (sharper gate)
-    temperature: float = 0.8
-    top_p: float = 1.0
-    max_tokens: int = 128  # the yaml: ${task.max_tokens}
-    eval_every: int = 15  # steps (the yaml: task.recipe's, else 15); also at step 0 and at the end
-    warmup: SFTConfig = field(default_factory=_no_warmup)  # an SFT stage first; steps=0: none
+    beta: float = doc(0.0, "KL weight against the base model (adapter off); 0 skips the reference pass")
+    num_iterations: int = doc(1, "mu: optimizer passes over each batch")
+    old_logprobs: str = doc(
+        "recorded", "recorded (sampling-time, from spans) | recompute (trainer forward before step)"
+    )
+    micro_batch_size: Optional[int] = doc(
+        None, "rows per forward/backward pass at most (None: only micro_batch_tokens bounds them)"
+    )
+    micro_batch_tokens: Optional[int] = doc(
+        2048, "tokens per pass at most, padding included (plan_micro_batches); None: no cap"
+    )
+    gradient_checkpointing: bool = doc(
+        True,
+        "replay each decoder layer in backward instead of keeping its activations "
+        "(agl/train/activation_checkpointing.py)",
+    )
+    max_grad_norm: float = doc(1.0, "gradients are clipped to this global norm")
+    mask_truncated: bool = doc(False, "true: completions cut by max_tokens carry no loss")
+    drop_zero_std: bool = doc(True, "skip groups whose rewards are all equal: they teach nothing")
+    weight_decay: float = doc(0.0, "AdamW weight decay")
+    opmd_tau: float = doc(1.0, "loss_type=opmd: loss / (1 + tau) (Trinity-RFT's default)")
+    sapo_tau_pos: float = doc(1.0, "loss_type=sapo: soft-gate temperature for advantages > 0 (SAPO paper / TRL)")
+    sapo_tau_neg: float = doc(1.05, "loss_type=sapo: ... and for advantages <= 0 (sharper gate)")
+    temperature: float = doc(0.8, "sampling temperature of the rollouts")
+    top_p: float = doc(1.0, "nucleus sampling of the rollouts; 1.0: off")
+    max_tokens: int = doc(128, "per LLM call of a rollout; the yaml: ${task.max_tokens}")
+    eval_every: int = doc(15, "steps (the yaml: task.recipe's, else 15); also at step 0 and at the end")
+    warmup: SFTConfig = doc(SFTConfig(steps=0), "algo.warmup.*: an SFT stage first (algo=sft's keys); steps=0: none")
 
     @classmethod
     def from_cfg(cls, cfg: Any) -> GRPOConfig:
@@ -311,63 +354,61 @@ class GRPOConfig:
 class EvalConfig:
     """``algo=eval`` (agl/jobs/eval.py)."""
 
-    name: str = "eval"
-    split: str = "test"  # the yaml: ${task.eval_split}
-    size: int = 16  # the first N tasks of the split; 0 = all. The yaml: ${task.eval_size}
-    prompt: str = "default"  # which of task.prompts the agent gets. The yaml: ${task.prompt}
-    k: int = 1  # tries per task; pass@k is reported when k > 1
-    temperature: float = 0.0  # 0 = greedy; sample (e.g. 0.8) when k > 1, or every try is the same
-    top_p: float = 1.0
-    max_tokens: int = 128  # the yaml: ${task.max_tokens}
-    pass_threshold: float = 1.0  # a try passes when its reward is >= this
+    name: str = doc("eval", ALGO_NAME)
+    split: str = doc("test", "the split it evaluates on; the yaml: ${task.eval_split}")
+    size: int = doc(16, "the first N tasks of the split; 0 = all. The yaml: ${task.eval_size}")
+    prompt: str = doc("default", "which of task.prompts the agent gets. The yaml: ${task.prompt}")
+    k: int = doc(1, "tries per task; pass@k is reported when k > 1")
+    temperature: float = doc(0.0, "0 = greedy; sample (e.g. 0.8) when k > 1, or every try is the same")
+    top_p: float = doc(1.0, "nucleus sampling; 1.0: off")
+    max_tokens: int = doc(128, "per LLM call; the yaml: ${task.max_tokens}")
+    pass_threshold: float = doc(1.0, "a try passes when its reward is >= this")
 
 
 @dataclasses.dataclass
 class PromptSearchConfig:
     """``algo=prompt_search`` (agl/jobs/prompt_search.py): score each prompt template on the same tasks, rank them."""
 
-    name: str = "prompt_search"
-    split: str = "train"  # choose on train, confirm the winner with algo=eval. The yaml: ${task.train_split}
-    size: int = 32  # distinct tasks per candidate (the first N of the split)
-    candidates: Optional[list[str]] = None  # names from task.prompts; None: all of them
-    temperature: float = 0.0  # 0 = greedy: the template, not sampling noise, makes the difference
-    top_p: float = 1.0
-    max_tokens: int = 128  # the yaml: ${task.max_tokens}
-    bootstrap: int = 2000  # resamples for the bootstrap 95% interval
+    name: str = doc("prompt_search", ALGO_NAME)
+    split: str = doc("train", "choose on train, confirm the winner with algo=eval. The yaml: ${task.train_split}")
+    size: int = doc(32, "distinct tasks per candidate (the first N of the split)")
+    candidates: Optional[list[str]] = doc(None, "names from task.prompts; None: all of them")
+    temperature: float = doc(0.0, "0 = greedy: the template, not sampling noise, makes the difference")
+    top_p: float = doc(1.0, "nucleus sampling; 1.0: off")
+    max_tokens: int = doc(128, "per LLM call; the yaml: ${task.max_tokens}")
+    bootstrap: int = doc(2000, "resamples for the bootstrap 95% interval")
 
 
 @dataclasses.dataclass
 class CustomConfig:
     """``algo=custom`` (agl/jobs/custom.py): the user's own ``async def`` on the run's store, runners and route."""
 
-    name: str = "custom"
-    fn: Optional[str] = None  # required: module:function
-    args: dict[str, Any] = field(
-        default_factory=dict
-    )  # more keyword arguments for fn, e.g. +algo.args.tasks_per_prompt=8
-    temperature: float = 0.0  # for rollouts whose metadata has no "sampling"; 0 = greedy
-    top_p: float = 1.0
-    max_tokens: int = 128  # the yaml: ${task.max_tokens}
+    name: str = doc("custom", ALGO_NAME)
+    fn: Optional[str] = doc(None, "required: module:function")
+    args: dict[str, Any] = doc({}, "more keyword arguments for fn, e.g. +algo.args.tasks_per_prompt=8")
+    temperature: float = doc(0.0, 'for rollouts whose metadata has no "sampling"; 0 = greedy')
+    top_p: float = doc(1.0, 'for rollouts whose metadata has no "sampling"; 1.0: off')
+    max_tokens: int = doc(128, "per LLM call; the yaml: ${task.max_tokens}")
 
 
 @dataclasses.dataclass
 class ServeConfig:
     """``algo=serve`` (agl/jobs/serve.py): the policy on the route until Ctrl-C; ``server.*`` sets where it listens."""
 
-    name: str = "serve"
-    record: bool = True  # every call into the run dir's store.sqlite (token ids, logprobs, request)
+    name: str = doc("serve", ALGO_NAME)
+    record: bool = doc(True, "every call into the run dir's store.sqlite (token ids, logprobs, request)")
 
 
 @dataclasses.dataclass
 class ExportConfig:
     """``algo=export`` (agl/jobs/export.py): model.adapter merged into the full-precision base, as HF and GGUF."""
 
-    name: str = "export"
-    dtype: str = "float32"  # float32 | bfloat16 | float16: the exported weights (the merge itself is in float32)
-    out: Optional[str] = (
-        None  # where to write hf/ and model-<dtype>.gguf; None: export/ in the run dir. Must not hold files yet
+    name: str = doc("export", ALGO_NAME)
+    dtype: str = doc("float32", "float32 | bfloat16 | float16: the exported weights (the merge itself is in float32)")
+    out: Optional[str] = doc(
+        None, "where to write hf/ and model-<dtype>.gguf; None: export/ in the run dir. Must not hold files yet"
     )
-    gguf: bool = True  # false: the HF dir only
+    gguf: bool = doc(True, "false: the HF dir only")
 
 
 @dataclasses.dataclass
@@ -375,14 +416,14 @@ class RunnerJobConfig:
     """``algo=runner attach=<run dir>`` (agl/agents/attach.py): join a running job; ``runner.*`` sets how many
     rollouts at once."""
 
-    name: str = "runner"
+    name: str = doc("runner", ALGO_NAME)
 
 
 @dataclasses.dataclass
 class InfoConfig:
     """``algo=info`` (agl/jobs/dispatch.py): load the model, print parameter counts and memory, exit."""
 
-    name: str = "info"
+    name: str = doc("info", ALGO_NAME)
 
 
 ALGO_SCHEMAS: dict[str, type] = {
