@@ -19,7 +19,7 @@ CREW_BIN  := $(CREW_VENV)/bin
 FRAMEWORKS_OPENAI3 := langchain langchain-responses pydantic-ai pydantic-ai-responses openai-agents openai-agents-chat
 FRAMEWORKS_OPENAI2 := litellm langchain langchain-responses
 
-.PHONY: setup demo run test test-frameworks test-crewai lint docs docs-serve bench clean wheelhouse gpu-bundle
+.PHONY: setup demo run test test-frameworks test-crewai lint docs docs-serve config-reference bench clean wheelhouse gpu-bundle
 
 setup: $(VENV)/.installed
 
@@ -83,6 +83,10 @@ lint: setup
 
 # The docs site (mkdocs.yml, docs/) into site/: strict, so a broken link or anchor, a page missing from the nav or an
 # API object that does not resolve fails it (CI runs it after make lint)
+# the config reference page, written from the typed schemas (tests/test_config_reference.py checks it is current)
+config-reference: setup
+	$(BIN)/python -m agl.config.reference > docs/config-reference.md
+
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 

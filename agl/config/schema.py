@@ -183,10 +183,11 @@ class LoraConfig:
         "all-linear", "all-linear (every linear layer but the output projection) | a list of names | a regex"
     )
     train_embeddings: bool = doc(
-        False, 'a LoRA (same r, alpha) on the input embedding matrix too (README "LoRA on the vocabulary matrices")'
+        False,
+        'a LoRA (same r, alpha) on the input embedding matrix too (docs/algorithms.md "LoRA on the vocabulary matrices")',
     )
     train_head: bool = doc(
-        False, 'a LoRA (same r, alpha) on the output head too (README "LoRA on the vocabulary matrices")'
+        False, 'a LoRA (same r, alpha) on the output head too (docs/algorithms.md "LoRA on the vocabulary matrices")'
     )
     train_merged: Any = doc(
         "auto",
