@@ -26,7 +26,7 @@ from pathlib import Path
 import framework_agents
 import pytest
 from omegaconf import OmegaConf
-from test_server import EOS, Served, forced_tokens, served  # noqa: F401  (served: the route on the tiny policy)
+from test_server import EOS, Served, chosen_tokens, forced_tokens, served  # noqa: F401  (served: the route on the tiny policy)
 
 import agl
 from agl.route.rendering import decode
@@ -130,13 +130,7 @@ def check(served, spans, transcript, reward, tools=False):
     [sample] = spans_to_samples(spans, reward=reward)
     assert sample.prompt_ids == first.prompt_token_ids and sample.reward == reward
     assert sample.prompt_ids + sample.completion_ids == spans[-1].prompt_token_ids + spans[-1].response_token_ids
-    # loss on every sampled id, but those a grammar forced (strict tools: agl.route.structure)
-    chosen = [
-        [t for t, n in zip(s.response_token_ids, (s.attributes.get("constraint") or {}).get("allowed") or []) if n != 1]
-        if s.attributes.get("constraint")
-        else s.response_token_ids
-        for s in spans
-    ]
+    chosen = [chosen_tokens(s) for s in spans]  # loss on every sampled id, but those a grammar forced
     assert sample.num_sampled == sum(map(len, chosen)) == sum(sample.mask)
     sampled = [i for i, m in zip(sample.completion_ids, sample.mask) if m]
     assert sampled == [t for ids in chosen for t in ids]

@@ -20,7 +20,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from test_harness import harness
-from test_server import EOS, Served, forced_tokens
+from test_server import EOS, Served, chosen_tokens, forced_tokens
 
 import agl
 from agl.agents.api import RolloutContext, call_agent
@@ -51,8 +51,8 @@ class ServedWithBase(Served):
         self.perturb = perturb
         super().__init__(cfg, store_path)
 
-    async def _start(self, cfg, store_path):
-        self.policy = load_policy(cfg, "cpu")
+    async def _start(self, cfg, store_path, device):
+        self.policy = load_policy(cfg, device)
         generator = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for p in self.policy.trainable_parameters() if self.perturb else ():
@@ -122,7 +122,8 @@ def check_player(served, spans, messages, reward):
     assert sample.reward == reward and sample.prompt_ids == player[0].prompt_token_ids
     assert sample.prompt_ids + sample.completion_ids == player[-1].prompt_token_ids + player[-1].response_token_ids
     sampled = [t for t, m in zip(sample.completion_ids, sample.mask) if m]
-    assert sampled == [t for s in player for t in s.response_token_ids]  # the player's tokens only, no answerer's
+    # the player's tokens only, no answerer's; none a grammar forced (a required tool call's frame)
+    assert sampled == [t for s in player for t in chosen_tokens(s)]
     return player, frozen
 
 

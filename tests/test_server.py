@@ -96,6 +96,15 @@ def served(tiny_model_cfg, tmp_path_factory, device):
     served.close()
 
 
+def chosen_tokens(span) -> list[int]:
+    """The response ids a span's sample trains on: all of them, but those a grammar forced (the only token its
+    mask allowed: strict tools, structured replies; agl.route.structure, agl.train.samples)."""
+    allowed = (span.attributes.get("constraint") or {}).get("allowed")
+    if not allowed:
+        return list(span.response_token_ids)
+    return [t for t, n in zip(span.response_token_ids, allowed) if n != 1]
+
+
 @contextlib.contextmanager
 def forced_tokens(served, *scripts, then_free: bool = False):
     """Make the model emit ``scripts[0]`` (then eos), one token per forward pass, whatever the
