@@ -1,11 +1,12 @@
 """The examples of README.md and docs/getting-started.md, run as a reader runs them, and checked for what each
 one promises.
 
-Every fenced ``bash`` and ``python`` block of the two pages runs, in page order (the README first), in one
-directory that stands for the reader's: a ``python`` block whose first line names a file (``# my_agent.py: ...``)
-is written to that file; any other ``python`` block runs with ``python``; a ``bash`` block runs with
-``bash -eo pipefail``. ``text`` blocks are output shown to the reader, and no other language is allowed (a block
-in ``sh`` would otherwise escape the test).
+Every fenced ``bash`` and ``python`` block of the two pages runs, each page in its order, in a directory that
+stands for the reader's (one per page; the getting-started page's blocks start once the README's first training
+job has printed its run dir, and then run beside the README's). A ``python`` block whose first line names a file
+(``# my_agent.py: ...``) is written to that file; any other ``python`` block runs with ``python``; a ``bash`` block
+runs with ``bash -eo pipefail``. ``text`` blocks are output shown to the reader, and no other language is
+allowed (a block in ``sh`` would otherwise escape the test).
 
 A block opts out with an HTML comment on the line before its fence, ``<!-- no-test: <why> -->``: it is plain in
 the page's source, where whoever edits the block reads it, and GitHub and mkdocs do not render it, so the reader
@@ -20,9 +21,8 @@ What the test changes, all of it here and visible:
   step at most: ``TINY`` appends its overrides to the command, by ``algo=`` (``resume=`` and ``report=`` take
   the run's own config and get none);
 - ``<run dir>`` is the run dir the last training job printed (``run dir: ...``);
-- a harness command already run in this directory, the same text up to its comment, is not run again: its first
-  output stands for it (the README lists its training command twice, and both pages resume and report the
-  same run).
+- a harness command already run, the same text up to its comment, is not run again: its first output stands for
+  it (the README lists its training command twice, and both pages report the same run).
 """
 
 from __future__ import annotations
@@ -34,8 +34,10 @@ import re
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -146,13 +148,29 @@ class Ran:
     seconds: float
 
 
+class Commands:
+    """The harness commands run so far, shared by the two directories: each one's output file, and an event set
+    when the block that ran it has finished (a command run in the other directory is waited for)."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir, self.lock, self.runs = log_dir, threading.Lock(), {}
+
+    def claim(self, code: str) -> tuple[Path, threading.Event, bool]:
+        """The command's output file and done-event, and whether this caller is the one to run it."""
+        with self.lock:
+            if code in self.runs:
+                return (*self.runs[code], False)
+            self.runs[code] = (self.log_dir / f"command-{len(self.runs)}.log", threading.Event())
+            return (*self.runs[code], True)
+
+
 @dataclass
 class Reader:
-    """The reader's directory and shell: where the blocks run, what the harness printed so far."""
+    """A directory of the reader's and the shell they type in: where the blocks run, what the harness printed."""
 
     dir: Path
+    commands: Commands
     run_dir: Path | None = None  # the last training job's
-    commands: dict[str, Path] = field(default_factory=dict)  # a harness command already run -> its output file
     trainings: list[Path] = field(default_factory=list)  # the output files of training jobs (not sweeps), in order
 
     def env(self) -> dict:
@@ -168,11 +186,10 @@ class Reader:
             text = text.replace("<run dir>", str(self.run_dir))
         return text
 
-    def harness_command(self, command: str) -> str:
+    def harness_command(self, command: str, claimed: list, waits: list) -> str:
         """One logical command line (continuations joined) as it runs here: ``TINY``'s overrides, the checkout's
         harness.py, and a command run before replaced by its first output."""
-        code, _, _comment = command.partition("  #")
-        code = code.strip()
+        code = command.partition("  #")[0].strip()
         if not re.match(r"python harness\.py\b", code):
             return self.substitute(command)
         if not any(word in code for word in NO_OVERRIDES):
@@ -180,15 +197,17 @@ class Reader:
             assert algo and algo.group(1) in TINY, f"no tiny overrides for this command (add them to TINY): {code}"
             code = f"{code} {' '.join(TINY[algo.group(1)])}"
         code = self.substitute(code)
-        if code in self.commands:  # run before: its output stands for it
-            return f"cat {self.commands[code]}"
-        out = self.dir / ".doc-test" / f"command-{len(self.commands)}.log"
-        self.commands[code] = out
+        out, block_done, mine = self.commands.claim(code)
+        if not mine:  # run before: its output stands for it
+            waits.append((out, block_done))
+            return f"cat {out}"
+        claimed.append(block_done)
         if re.search(r"\balgo=grpo\b", code) and " -m " not in code:
             self.trainings.append(out)
-        return code.replace("python harness.py", f"python {ROOT / 'harness.py'}", 1) + f" 2>&1 | tee {out}"
+        command = code.replace("python harness.py", f"python {ROOT / 'harness.py'}", 1)
+        return f"{command} 2>&1 | tee {out}\ntouch {out}.done"  # .done: it succeeded, the other page may go on
 
-    def script(self, text: str) -> str:
+    def script(self, text: str, claimed: list, waits: list) -> str:
         logical = re.sub(r"\\\n\s*", "", text)  # continuation lines joined
         lines, heredoc = [], None
         for line in logical.splitlines():
@@ -198,38 +217,63 @@ class Reader:
                 continue
             here = re.search(r"<<\s*'?(\w+)'?", line)
             heredoc = here.group(1) if here else None
-            lines.append(self.harness_command(line))
+            lines.append(self.harness_command(line, claimed, waits))
         return "\n".join(lines) + "\n"
 
     def run(self, block: Block) -> Ran:
-        started = time.time()
-        if block.language == "python" and re.match(r"# (\w+\.py)\b", block.first_line):
-            name = re.match(r"# (\w+\.py)\b", block.first_line).group(1)
-            (self.dir / name).write_text(block.text + "\n")
-            output = ""
-        else:
+        started, claimed, waits = time.time(), [], []
+        try:
+            if block.language == "python" and re.match(r"# (\w+\.py)\b", block.first_line):
+                name = re.match(r"# (\w+\.py)\b", block.first_line).group(1)
+                (self.dir / name).write_text(block.text + "\n")
+                return Ran(block, "", started, 0.0)
             if block.language == "python":
                 args = ["python", "-c", self.substitute(block.text)]
             else:
-                args = ["bash", "-eo", "pipefail", "-c", self.script(block.text)]
+                args = ["bash", "-eo", "pipefail", "-c", self.script(block.text, claimed, waits)]
+            for out, block_done in waits:  # until the command has succeeded, or the block that ran it has ended
+                deadline = time.time() + 600
+                while not Path(f"{out}.done").exists() and not block_done.wait(0.1) and time.time() < deadline:
+                    pass
+                assert Path(f"{out}.done").exists(), f"{block}: the command it repeats failed, or did not finish"
             result = subprocess.run(args, cwd=self.dir, env=self.env(), capture_output=True, text=True, timeout=600)
-            output = result.stdout + result.stderr
-            assert result.returncode == 0, f"{block} failed ({result.returncode}):\n{output[-4000:]}"
+        finally:
+            for done in claimed:
+                done.set()
+        output = result.stdout + result.stderr
+        assert result.returncode == 0, f"{block} failed ({result.returncode}):\n{output[-4000:]}"
         if self.trainings:
             self.run_dir = run_dir_printed(self.trainings[-1].read_text())
         return Ran(block, output, started, time.time() - started)
 
+    def run_and_check(self, blocks: list[Block], timings: list[str]) -> None:
+        for block in blocks:
+            ran = self.run(block)
+            CHECKS[block.key](ran, self)
+            timings.append(f"{ran.seconds:6.1f} s  {block}")
+
+
+def runnable(page: str) -> list[Block]:
+    return [block for block in ALL_BLOCKS if block.page == page and block.no_test is None and block.language != "text"]
+
 
 def test_the_examples_run_and_do_what_they_say(tmp_path):
-    """Every runnable block, in page order, each checked as soon as it has run (what it promised is there)."""
-    reader = Reader(tmp_path)
-    (tmp_path / ".doc-test").mkdir()
-    timings = []
-    for block in ALL_BLOCKS:
-        if block.no_test is None and block.language != "text":
-            ran = reader.run(block)
-            CHECKS[block.key](ran, reader)
-            timings.append(f"{ran.seconds:6.1f} s  {block}")
+    """Every runnable block, each checked as soon as it has run. The README runs in page order up to its first
+    training job; then the rest of it, and docs/getting-started.md in a second directory (a second terminal:
+    that page makes its own files, and its `<run dir>` is the README's run until it trains one of its own), run
+    side by side, each page in its order, so that the two cores are both used."""
+    commands = Commands(tmp_path)
+    readme = Reader(tmp_path / "readme", commands)
+    started = Reader(tmp_path / "getting-started", commands)
+    readme.dir.mkdir(), started.dir.mkdir()
+    blocks, timings = runnable("README.md"), []
+    first_training = next(i for i, block in enumerate(blocks) if "algo=grpo" in block.text and block.language == "bash")
+    readme.run_and_check(blocks[: first_training + 1], timings)
+    started.run_dir = readme.run_dir
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        second = pool.submit(started.run_and_check, runnable("docs/getting-started.md"), timings)
+        readme.run_and_check(blocks[first_training + 1 :], timings)
+        second.result()
     print("\n".join(timings))
 
 
@@ -315,8 +359,10 @@ def check_everyday_commands(ran: Ran, reader: Reader) -> None:
     assert {"0.0001", "0.0003"} <= set(re.findall(r"\| (0\.000[13])\s", summary.read_text()))
     # resume of a finished run: nothing to do, and it says so
     assert f"skip: {run_dir} already finished" in out
-    # report: rewritten from the files during this block
-    assert (run_dir / "report.md").stat().st_mtime >= ran.started and "report.md" in out
+    # report: report.md and curves.png rewritten from the files during this block, and printed
+    assert (run_dir / "report.md").stat().st_mtime >= ran.started
+    assert (run_dir / "curves.png").stat().st_mtime >= ran.started
+    check_report(ran, reader)
     # export: a Hugging Face dir and a GGUF file, in the export job's own run dir
     (export,) = (reader.dir / "outputs").glob("*/*_export/export")
     assert (export / "hf" / "config.json").is_file() and (export / "hf" / "model.safetensors").is_file()
@@ -330,7 +376,11 @@ def check_ls_run_dir(ran: Ran, reader: Reader) -> None:
 
 
 def check_report(ran: Ran, reader: Reader) -> None:
-    assert "report.md" in ran.output and (reader.run_dir / "report.md").is_file()
+    """report.md is what report= printed: the run, its scores by step, the change against the base model."""
+    report = (reader.run_dir / "report.md").read_text()
+    assert report.strip() in ran.output and f"plots: {reader.run_dir / 'curves.png'}" in ran.output
+    for section in ("# report: ", "## run", "## reward and accuracy by step", "## change against the base model"):
+        assert section in report, section
 
 
 def check_metrics_snippet(ran: Ran, reader: Reader) -> None:
@@ -339,19 +389,14 @@ def check_metrics_snippet(ran: Ran, reader: Reader) -> None:
     assert step[0] == "0" and float(step[1]) >= 0 and float(step[2]) >= 0, ran.output  # the step, and its eval
 
 
-def check_eval_with_a_template(ran: Ran, reader: Reader) -> None:
-    eval_dir = eval_dir_printed(ran.output)
-    assert "| reward " in ran.output and (eval_dir / "eval.md").is_file()
-    prompts = [span["request"]["messages"][0]["content"] for span in spans(eval_dir, "llm.chat")]
-    assert prompts and all(p.endswith("? Answer with the city only.") for p in prompts), prompts
-
-
 def check_tool_agent(ran: Ran, reader: Reader) -> None:
     a_jsonl_file("additions.jsonl", 4, {"question", "answer"})(ran, reader)
     run_dir = trained(ran, reader, "turns")
     calls = spans(run_dir, "llm.chat")
     assert calls and all(call["chat_template"] == "agl-hermes-tools" for call in calls)  # the tools in the prompt
     assert all(call["request"]["tools"][0]["function"]["name"] == "add" for call in calls)
+    prompts = [call["request"]["messages"][0]["content"] for call in calls]  # the template `tool`, filled in
+    assert all(re.fullmatch(r"What is \d+ \+ \d+\? Use the add tool, then reply with the number\.", p) for p in prompts)
 
 
 def check_resume(ran: Ran, reader: Reader) -> None:
@@ -367,10 +412,6 @@ CHECKS: dict[tuple[str, str], Callable[[Ran, Reader], None]] = {
     ("docs/getting-started.md", "ls <run dir>"): check_ls_run_dir,
     ("docs/getting-started.md", "python harness.py report=<run dir>"): check_report,
     ("docs/getting-started.md", "import json"): check_metrics_snippet,
-    (
-        "docs/getting-started.md",
-        "python harness.py task=custom task.agent=my_agent:my_agent task.data=capitals.jsonl algo=eval \\",
-    ): check_eval_with_a_template,
     (
         "docs/getting-started.md",
         "# calc_agent.py: the model may call add(a, b); the result goes back to it, then it answers",
