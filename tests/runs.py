@@ -11,8 +11,10 @@ resumed, with runner processes, with loggers.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -56,13 +58,18 @@ def is_cost(name: str) -> bool:
     return name.startswith("time_") or name.endswith(("_s", "_mib")) or name == "prompt_tokens"
 
 
+# the harness processes' output files, removed when this (test) process exits
+LOGS = Path(tempfile.mkdtemp(prefix="agl-harness-logs-"))
+atexit.register(shutil.rmtree, LOGS, ignore_errors=True)
+
+
 class Harness(subprocess.Popen):
     """A harness process whose output (stdout and stderr, its runner processes' too) goes to a file, never to
     a pipe: a test that waits on something else would not read the pipe, and a full pipe stops every process
     writing to it (a loaded machine makes more warnings: the wait would be forever)."""
 
     def __init__(self, args: list[str], env: dict):
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="agl-harness-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile("w+", dir=LOGS, suffix=".log", delete=False)
         super().__init__(args, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def output(self) -> str:
