@@ -190,12 +190,12 @@ def test_runs_on_cuda_reads_the_command_line_then_the_machine(tmp_path):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_a_run_on_cuda_leaves_the_cpu_memory_measures_off(device):
+def test_a_run_on_cuda_leaves_the_cpu_memory_measures_off(device, tmp_path):
     """With a malloc asked for that does not exist: a CPU run stops on it first thing (agl/memory.py); a CUDA run
     never looks (on a machine without a GPU it then stops at the device instead)."""
     env = {**os.environ, "AGL_ALLOCATOR": "tcmalloc2", "AGL_CACHE": os.environ.get("AGL_CACHE", "~/.cache/agl")}
     out = subprocess.run(
-        [sys.executable, "harness.py", "model=tiny", "algo=info", f"device={device}"],
+        [sys.executable, "harness.py", "model=tiny", "algo=info", f"device={device}", f"hydra.run.dir={tmp_path}"],
         env=env,
         capture_output=True,
         text=True,

@@ -177,10 +177,15 @@ def test_preload_runs_the_command_again_once_under_the_library(choice, tmp_path)
     assert (active, pinned) == (expected, str(expected == "glibc"))
 
 
-def test_the_harness_names_a_malloc_it_cannot_find_before_anything_else():
+def test_the_harness_names_a_malloc_it_cannot_find_before_anything_else(tmp_path):
     env = {**os.environ, "AGL_ALLOCATOR": "tcmalloc2"}
     out = subprocess.run(
-        [sys.executable, "harness.py", "algo=info"], env=env, capture_output=True, text=True, timeout=120, cwd=ROOT
+        [sys.executable, "harness.py", "algo=info", f"hydra.run.dir={tmp_path}"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
     )
     assert out.returncode == 2
     assert (
