@@ -184,10 +184,10 @@ class LoraConfig:
     )
     train_embeddings: bool = doc(
         False,
-        'a LoRA (same r, alpha) on the input embedding matrix too (docs/algorithms.md: the vocabulary matrices)',
+        "a LoRA (same r, alpha) on the input embedding matrix too (docs/algorithms.md: the vocabulary matrices)",
     )
     train_head: bool = doc(
-        False, 'a LoRA (same r, alpha) on the output head too (docs/algorithms.md: the vocabulary matrices)'
+        False, "a LoRA (same r, alpha) on the output head too (docs/algorithms.md: the vocabulary matrices)"
     )
     train_merged: Any = doc(
         "auto",
