@@ -69,6 +69,19 @@ def time_method(obj: Any, name: str, key: str, timings: dict) -> None:
     setattr(obj, name, timed)
 
 
+def record_decode_steps(engine: Any) -> list[tuple[int, int]]:
+    """Wrap the engine's decode step so each call appends (rows, cached width + 1) to the list returned."""
+    steps: list[tuple[int, int]] = []
+    decode = engine._decode
+
+    def logged_decode(batch):
+        steps.append((len(batch.seqs), batch.mask.shape[1] + 1))
+        return decode(batch)
+
+    engine._decode = logged_decode
+    return steps
+
+
 def timed(fn: Any) -> float:
     """Seconds one call of ``fn()`` takes."""
     start = time.perf_counter()

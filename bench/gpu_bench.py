@@ -237,7 +237,7 @@ async def route_levels(args: argparse.Namespace) -> dict:
 
     from agl.policy.engine import Engine
     from agl.route.server import ModelServer
-    from bench.common import load_model
+    from bench.common import load_model, record_decode_steps
     from bench.serve import gsm8k_messages, limits, route_run, step_costs
 
     model = "tiny" if args.cpu_dry_run else args.route_shape
@@ -246,14 +246,7 @@ async def route_levels(args: argparse.Namespace) -> dict:
     policy = load_model(model, None, args.device, args.tokenizer)
     policy.model.eval()
     engine = Engine(policy, max_batch_size=max(clients))
-    steps: list[tuple[int, int]] = []
-    decode = engine._decode
-
-    def logged_decode(batch):
-        steps.append((len(batch.seqs), batch.mask.shape[1] + 1))
-        return decode(batch)
-
-    engine._decode = logged_decode
+    steps = record_decode_steps(engine)
     await engine.start()
     server = ModelServer(engine, policy)
     await server.start()

@@ -49,7 +49,7 @@ from agl.memory import peak_rss_mib
 from agl.policy.engine import Engine
 from agl.policy.load import load_policy
 from agl.route.server import ModelServer
-from bench.common import RESULTS, gsm8k_prompts, matmul_probe, model_config, timed
+from bench.common import RESULTS, gsm8k_prompts, matmul_probe, model_config, record_decode_steps, timed
 
 
 def gsm8k_messages(count: int) -> list[list[dict]]:
@@ -159,14 +159,7 @@ async def main(args: argparse.Namespace) -> dict:
     engine = Engine(policy, max_batch_size=max(64, max(args.clients)))
     fast_step = engine.decode_step
     assert fast_step is not None or "fast" not in args.decode, "agl.policy.decode does not apply to this model"
-    steps: list[tuple[int, int]] = []
-    decode = engine._decode
-
-    def logged_decode(batch):
-        steps.append((len(batch.seqs), batch.mask.shape[1] + 1))
-        return decode(batch)
-
-    engine._decode = logged_decode
+    steps = record_decode_steps(engine)
     await engine.start()
     server = ModelServer(engine, policy)
     await server.start()
