@@ -106,31 +106,41 @@ def main() -> None:
     iterations, started = [], time.time()
     try:
         for i in range(args.iterations):
-            basetemp = Path(tempfile.mkdtemp(prefix=f"agl-exact-{i}-"))
-            t0 = time.time()
-            result = subprocess.run(
-                [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={basetemp}", *args.tests],
-                cwd=ROOT,
-                capture_output=True,
-                text=True,
-            )
-            record = {"iteration": i, "passed": result.returncode == 0, "seconds": round(time.time() - t0, 1)}
-            record["summary"] = (result.stdout.strip().splitlines() or [""])[-1]
-            if result.returncode != 0:
-                record["failures"] = [line for line in result.stdout.splitlines() if line.startswith("FAILED")]
-                record["diagnosis"] = diagnose(basetemp)
-                kept = Path(args.keep) / f"iteration-{i}"
-                shutil.copytree(basetemp, kept, dirs_exist_ok=True)
-                (kept / "pytest.log").write_text(result.stdout + result.stderr)
-                record["kept"] = str(kept)
-            shutil.rmtree(basetemp, ignore_errors=True)
-            iterations.append(record)
-            print(json.dumps(record), flush=True)
+            iterations.append(run_iteration(i, args.tests, Path(args.keep)))
+            print(json.dumps(iterations[-1]), flush=True)
+            write_results(args, iterations, started)  # after each one: a run stopped early keeps its record
     finally:
         stop.set()
         for p in loaders:
             p.join(timeout=10)
+    passed = sum(r["passed"] for r in iterations)
+    print(f"{passed} of {len(iterations)} passed; bench/results/exact_under_load.md")
 
+
+def run_iteration(i: int, tests: list[str], keep: Path) -> dict:
+    """The tests once, in a fresh pytest process with its own ``--basetemp``; a failure's dirs are kept."""
+    basetemp = Path(tempfile.mkdtemp(prefix=f"agl-exact-{i}-"))
+    t0 = time.time()
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={basetemp}", *tests],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    record = {"iteration": i, "passed": result.returncode == 0, "seconds": round(time.time() - t0, 1)}
+    record["summary"] = (result.stdout.strip().splitlines() or [""])[-1]
+    if result.returncode != 0:
+        record["failures"] = [line for line in result.stdout.splitlines() if line.startswith("FAILED")]
+        record["diagnosis"] = diagnose(basetemp)
+        kept = keep / f"iteration-{i}"
+        shutil.copytree(basetemp, kept, dirs_exist_ok=True)
+        (kept / "pytest.log").write_text(result.stdout + result.stderr)
+        record["kept"] = str(kept)
+    shutil.rmtree(basetemp, ignore_errors=True)
+    return record
+
+
+def write_results(args: argparse.Namespace, iterations: list[dict], started: float) -> None:
     passed = sum(r["passed"] for r in iterations)
     out = {
         "tests": args.tests,
@@ -149,7 +159,7 @@ def main() -> None:
         f"`PYTHONPATH=. python bench/exact_under_load.py --iterations {args.iterations} --load {args.load}`, "
         f"{out['date']}, {os.cpu_count()} cores, {args.load} load processes (matmuls + fsynced SQLite writes)",
         "",
-        f"**{passed} of {len(iterations)} iterations passed**, each running: "
+        f"**{passed} of {len(iterations)} iterations passed** (of {args.iterations} asked), each running: "
         + ", ".join(f"`{t}`" for t in args.tests),
         "",
         "| iteration | passed | seconds | summary |",
@@ -160,7 +170,6 @@ def main() -> None:
         if not r["passed"]:
             lines += ["", f"iteration {r['iteration']}: " + "; ".join(r["failures"] + r["diagnosis"])]
     (RESULTS / "exact_under_load.md").write_text("\n".join(lines) + "\n")
-    print(f"{passed} of {len(iterations)} passed; bench/results/exact_under_load.md")
 
 
 if __name__ == "__main__":
