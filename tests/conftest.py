@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from filelock import FileLock
 from omegaconf import OmegaConf
 from store_helpers import FakeClock
 
@@ -69,22 +70,42 @@ def device(request) -> str:
 
 
 def pytest_collection_modifyitems(items):
-    """A test that reads the reference run is of its family (marker ``exact``): ``make test`` runs them
-    together, after the others, in one process (the run is made once) on a machine no other test loads."""
+    """A test that reads the reference run is of its family (marker ``exact``: ``pytest -m exact`` runs it
+    alone)."""
     for item in items:
         if "reference" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.exact)
+
+
+def made_once(tmp_path_factory, name: str, make) -> Path:
+    """``<dir>/<name>``, made by ``make(dir)`` once per test session: under pytest-xdist, by the first worker
+    that asks while the others wait on a lock, then read by all (the pattern pytest-xdist documents). The
+    directory holds the run and its eval cache; ``done`` marks it whole."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the workers' basetemps are popen-gw0, popen-gw1, ... in the session's
+    shared = base / name
+    with FileLock(f"{shared}.lock"):
+        if not (shared / "done").is_file():
+            shutil.rmtree(shared, ignore_errors=True)
+            shared.mkdir()
+            make(shared)
+            (shared / "done").touch()
+    return shared
 
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory, device) -> Path:
     """The reference run (tests/runs.py) on each device (on CUDA: float32 with torch's deterministic
     algorithms): one harness job whose bytes every exactness test compares with, and whose run dir the report
-    and eval tests read. Read-only. It fills the session's eval cache (every later run with that cache replays
-    its evals: tests/test_reproducible.py)."""
+    and eval tests read. Read-only. Its evals fill its own eval cache, ``<run dir>/../evals`` (the same run with
+    a copy of that cache replays every eval: tests/test_reproducible.py)."""
     from runs import run
 
-    return run(tmp_path_factory.mktemp(f"reference-{device}") / "run", device=device)
+    shared = made_once(
+        tmp_path_factory, f"reference-{device}", lambda d: run(d / "run", device=device, eval_cache=d / "evals")
+    )
+    return shared / "run"
 
 
 @pytest.fixture(scope="session")
@@ -147,7 +168,8 @@ def run_harness(*args: str, timeout: float = 300):
 
 @pytest.fixture(scope="session")
 def tiny_grpo_run(tmp_path_factory) -> Path:
-    run_dir = tmp_path_factory.mktemp("tiny-grpo") / "run"
-    result = run_harness(*TINY_GRPO_RUN, f"hydra.run.dir={run_dir}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    return run_dir
+    def make(shared: Path) -> None:
+        result = run_harness(*TINY_GRPO_RUN, f"hydra.run.dir={shared / 'run'}")
+        assert result.returncode == 0, result.stderr[-3000:]
+
+    return made_once(tmp_path_factory, "tiny-grpo", make) / "run"

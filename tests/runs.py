@@ -85,7 +85,7 @@ def harness(
 ) -> Harness:
     """``python harness.py *args`` in its own process group, on ``device`` (a resumed run keeps the device it
     was started with: its saved config). ``kill``: a tests/crash_points.py kill point; ``eval_cache``: the
-    eval cache's dir (else the session's, tests/conftest.py, which the reference run fills)."""
+    eval cache's dir (else the session's, tests/conftest.py)."""
     if not any(a.startswith("resume=") for a in args):
         args = (*args, f"device={device}")
     environ = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "tests"), "AGL_TEST_KILL": kill}

@@ -9,6 +9,7 @@ rollout, inside the update and inside a checkpoint write, and with its evals rep
 import json
 import os
 import random
+import shutil
 import signal
 import time
 
@@ -29,9 +30,10 @@ def test_one_seed_gives_one_run(reference, tmp_path, device):
 
 
 def test_evals_replayed_from_the_cache_change_nothing(reference, tmp_path, device):
-    """The reference run filled the session's eval cache: the same run again replays every eval from it (the
+    """The reference run filled its eval cache: the same run again with a copy of it replays every eval (the
     same adapters give the same keys), and trains the same adapter through the same rollouts, ids and tokens."""
-    again = run(tmp_path / "again", device=device)
+    shutil.copytree(reference.parent / "evals", tmp_path / "evals")
+    again = run(tmp_path / "again", device=device, eval_cache=tmp_path / "evals")
     assert adapter(again) == adapter(reference)
     assert metrics(again) == metrics(reference)
     cached = "SELECT rollout_id FROM rollouts WHERE json_extract(metadata, '$.cached') IS NOT NULL ORDER BY seq"
