@@ -75,7 +75,7 @@ async def measure_rates(
     await decode(2)  # the first forward passes at this width compile their kernels: not timed
     # One call, timed by its sequences' own clocks: the prefill ends when the last row has its first token, and
     # the decode steps after it are that row's remaining tokens. (Timed as a 9-token call minus a 1-token one,
-    # the 8 steps were lost in the prefill's noise: 3 of 11 probes on the embedded model gave 0 ms a step.)
+    # the 8 steps were lost in the prefill's noise: 5 of 11 probes on the embedded model gave 0-7 ms a step.)
     streams = await decode(1 + PROBE_DECODE_STEPS)
     prefilled = max(s.first_token_at for s in streams)
     prefill_s = prefilled - min(s.submitted_at for s in streams)
