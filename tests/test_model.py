@@ -101,6 +101,11 @@ def identity(path: Path) -> tuple:
     return st.st_ino, st.st_mtime_ns
 
 
+def entries(cache: Path) -> list[str]:
+    """What a cache dir holds besides ``.locks/`` (its builders' lock files)."""
+    return sorted(p.name for p in cache.iterdir() if p.name != ".locks")
+
+
 def leftovers(cache: Path, key: str) -> list[Path]:
     """Temporary build dirs of ``key`` (``.<key>.<random>``) left in ``cache``."""
     return sorted(p for p in cache.iterdir() if p.name.startswith(f".{key}."))
@@ -116,13 +121,35 @@ def test_cache_is_built_once_then_reused(tmp_path, tiny_dir):
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= manifest.keys()
     weights = target / "model.safetensors"
     assert manifest["model.safetensors"] == {"size": weights.stat().st_size, "sha256": file_sha256(weights)}
-    assert [p.name for p in tmp_path.iterdir()] == ["m"]  # no temp dir left behind
+    assert entries(tmp_path) == ["m"]  # no temp dir left behind
     before = identity(target), identity(weights)
 
     assert cached_model_dir(tmp_path, "m", writer) == target
     assert writer.calls == 1  # not rebuilt
     assert (identity(target), identity(weights)) == before
     assert_same_state(load_state(target), load_state(tiny_dir))
+
+
+class SlowWriter(CopyWriter):
+    """A CopyWriter that takes its time, so that builders started together overlap."""
+
+    def __call__(self, tmp: Path) -> None:
+        time.sleep(0.5)
+        super().__call__(tmp)
+
+
+def test_builders_of_one_missing_entry_at_once_build_it_once(tmp_path, tiny_dir):
+    """The jobs of a sweep (or test lanes) on a fresh cache: one builds, the others wait for it and reuse it."""
+    writer = SlowWriter(tiny_dir)
+    targets = []
+    builders = [
+        threading.Thread(target=lambda: targets.append(cached_model_dir(tmp_path, "m", writer))) for _ in range(3)
+    ]
+    for builder in builders:
+        builder.start()
+    for builder in builders:
+        builder.join()
+    assert targets == [tmp_path / "m"] * 3 and writer.calls == 1 and cache_is_complete(tmp_path / "m")
 
 
 def test_building_the_cache_leaves_the_random_state_as_it_was(tmp_path):
@@ -178,7 +205,7 @@ def test_damaged_cache_is_rebuilt_and_loads(tmp_path, tiny_dir, damage):
     assert cached_model_dir(tmp_path, "m", writer) == target
     assert writer.calls == 2
     assert cache_is_complete(target)
-    assert [p.name for p in tmp_path.iterdir()] == ["m"]
+    assert entries(tmp_path) == ["m"]
     assert_same_state(load_state(target), load_state(tiny_dir))
 
 
@@ -191,7 +218,7 @@ def test_writer_failing_midway_leaves_no_cache(tmp_path, tiny_dir):
 
     with pytest.raises(OSError, match="No space left"):
         write_cache_atomically(tmp_path / "m", failing)
-    assert list(tmp_path.iterdir()) == []  # neither a target nor a temp dir
+    assert entries(tmp_path) == []  # neither a target nor a temp dir
     assert not cache_is_complete(tmp_path / "m")
 
     writer = CopyWriter(tiny_dir)
@@ -201,7 +228,8 @@ def test_writer_failing_midway_leaves_no_cache(tmp_path, tiny_dir):
 
 
 def test_concurrent_builder_keeps_the_cache_finished_first(tmp_path, tiny_dir):
-    """Two runs started together on a fresh cache both build; the one finishing second must not
+    """Two builders that share no lock (on one machine they wait on ``.locks/<key>``; two hosts on a network
+    filesystem, where flock may not lock across hosts, do not) both build; the one finishing second must not
     delete the complete cache the first already put in place (that process may be loading it)."""
     started, first_done, result = threading.Event(), threading.Event(), {}
     slow_writer = CopyWriter(tiny_dir)
@@ -213,7 +241,7 @@ def test_concurrent_builder_keeps_the_cache_finished_first(tmp_path, tiny_dir):
 
     def build_slowly() -> None:
         try:
-            result["path"] = cached_model_dir(tmp_path, "m", slow)
+            result["path"] = write_cache_atomically(tmp_path / "m", slow)
         except BaseException as error:  # reported below, in the test's thread
             result["error"] = error
 
@@ -221,7 +249,7 @@ def test_concurrent_builder_keeps_the_cache_finished_first(tmp_path, tiny_dir):
     thread.start()
     assert started.wait(60)
     fast_writer = CopyWriter(tiny_dir)
-    target = cached_model_dir(tmp_path, "m", fast_writer)
+    target = write_cache_atomically(tmp_path / "m", fast_writer)
     first = identity(target), identity(target / "model.safetensors")
     first_done.set()
     thread.join(60)
@@ -229,7 +257,7 @@ def test_concurrent_builder_keeps_the_cache_finished_first(tmp_path, tiny_dir):
     assert "error" not in result, result.get("error")
     assert result["path"] == target and slow_writer.calls == fast_writer.calls == 1
     assert (identity(target), identity(target / "model.safetensors")) == first  # kept, not replaced
-    assert cache_is_complete(target) and [p.name for p in tmp_path.iterdir()] == ["m"]
+    assert cache_is_complete(target) and entries(tmp_path) == ["m"]
 
 
 def test_builder_losing_the_rename_race_accepts_the_winners_cache(tmp_path, tiny_dir, monkeypatch):
@@ -248,7 +276,7 @@ def test_builder_losing_the_rename_race_accepts_the_winners_cache(tmp_path, tiny
     assert cached_model_dir(tmp_path, "m", loser) == target
     monkeypatch.undo()
     assert raced and winner.calls == loser.calls == 1
-    assert cache_is_complete(target) and [p.name for p in tmp_path.iterdir()] == ["m"]
+    assert cache_is_complete(target) and entries(tmp_path) == ["m"]
     assert_same_state(load_state(target), load_state(tiny_dir))
 
 
@@ -349,7 +377,7 @@ def test_real_conversion_is_complete_and_loadable(converted):
     assert gguf.name == EMBEDDED_GGUF
     assert converted.name == f"smollm2-135m-instruct-{file_sha256(gguf)[:16]}"
     assert cache_is_complete(converted)
-    assert [p.name for p in converted.parent.iterdir()] == [converted.name]  # no temp dir left
+    assert entries(converted.parent) == [converted.name]  # no temp dir left
     manifest = json.loads((converted / MANIFEST).read_text())["files"]
     assert {
         "config.json",

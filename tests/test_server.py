@@ -29,6 +29,9 @@ from agl.types import Span
 
 EOS = 2
 TIMEOUT = 60
+# Loading the policy may build the model cache first: on a fresh machine the embedded model's conversion, which
+# every lane of `make test` waits for at once (agl/policy/weights.py builds an entry once, under a lock).
+START_TIMEOUT = 600
 MODEL = "tiny"  # the policy's name: the only `model` the route accepts unless told of others
 
 
@@ -39,7 +42,7 @@ class Served:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="test-server-loop", daemon=True)
         self.thread.start()
-        self.call(self._start(cfg, store_path, device))
+        self.call(self._start(cfg, store_path, device), timeout=START_TIMEOUT)
 
     async def _start(self, cfg, store_path, device):
         self.policy = load_policy(cfg, device)

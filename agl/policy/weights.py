@@ -15,6 +15,7 @@ A cache entry is complete only with its manifest (every file's size and sha256),
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -118,11 +119,19 @@ def cached_model_dir(cache_dir: Path, key: str, write: Any) -> Path:
 
     Building leaves torch's random state as it was (``write`` seeds it, and initialises weights from
     it): a run that builds the cache computes what a run that finds it computes, seed for seed.
+    Processes that need one missing entry at once (the jobs of a sweep, test workers on a fresh machine) build
+    it once: the first holds ``.locks/<key>`` (flock, released by the kernel if it dies) while the others wait,
+    then find it complete.
     """
     target = cache_dir / key
-    if not cache_is_complete(target):
-        with torch.random.fork_rng(devices=[]):
-            write_cache_atomically(target, write)
+    if cache_is_complete(target):
+        return target
+    (cache_dir / ".locks").mkdir(parents=True, exist_ok=True)
+    with open(cache_dir / ".locks" / key, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not cache_is_complete(target):
+            with torch.random.fork_rng(devices=[]):
+                write_cache_atomically(target, write)
     return target
 
 
