@@ -80,7 +80,7 @@ def pytest_collection_modifyitems(items):
 def made_once(tmp_path_factory, name: str, make) -> Path:
     """``<dir>/<name>``, made by ``make(dir)`` once per test session: under pytest-xdist, by the first worker
     that asks while the others wait on a lock, then read by all (the pattern pytest-xdist documents). The
-    directory holds the run and its eval cache; ``done`` marks it whole."""
+    directory holds what ``make`` writes (a run, and the reference's eval cache); ``done`` marks it whole."""
     base = tmp_path_factory.getbasetemp()
     if os.environ.get("PYTEST_XDIST_WORKER"):
         base = base.parent  # the workers' basetemps are popen-gw0, popen-gw1, ... in the session's
