@@ -10,9 +10,12 @@
 #   --python PY       the Python whose torch is the node's (default python3)
 #   --cpu-dry-run     every part at toy size on the CPU, to catch bugs before device time is spent
 #
-# Writes at most 8 files, gpu_*.json / gpu_*.md naming the GPU: gpu_lane.md, gpu_env.json, gpu_grpo.{json,md},
-# gpu_route.{json,md}, gpu_summary.md. Budgets (seconds, for one H100; override by environment): install 40,
-# lane 110 (pytest -m cuda, in parallel where pytest-xdist is installed), GRPO vs TRL 150, route 45: about 5 min.
+# Writes 8 files, gpu_*.json / gpu_*.md naming the GPU: gpu_lane.md, gpu_env.json, gpu_grpo.{json,md},
+# gpu_route.{json,md}, gpu_summary.md, and gpu_logs.tar.gz (every step's whole log, for what went wrong: the
+# device tool brings back 8 files). Budgets (seconds, for one H100; override by environment): install 90,
+# lane 240 (pytest -m cuda, in parallel where pytest-xdist is installed; 192 s with -n 8 on an H200), GRPO vs
+# TRL 150, route 45: about 8 min. On the H200 (2026-11-27) the install took 35 s, and GRPO's 150 s held agl's
+# step at the 135M shape only (GRPO_S=600 alone for all three shapes and TRL).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,15 +40,24 @@ LOGS="$(mktemp -d)"
 export PYTHONPATH="$PWD" AGL_CACHE="${AGL_CACHE:-$LOGS/cache}" CUBLAS_WORKSPACE_CONFIG=":4096:8"
 # model=tiny and the shapes build from the tokenizer's files (conf/model/smollm2.yaml, tests/conftest.py)
 [ -n "$TOKENIZER" ] && export AGL_TOKENIZER="${TOKENIZER_ARG[1]}"
-INSTALL_S="${INSTALL_S:-40}" LANE_S="${LANE_S:-110}" GRPO_S="${GRPO_S:-150}" ROUTE_S="${ROUTE_S:-45}"
+INSTALL_S="${INSTALL_S:-90}" LANE_S="${LANE_S:-240}" GRPO_S="${GRPO_S:-150}" ROUTE_S="${ROUTE_S:-45}"
 started=$SECONDS
 say() { echo "[gpu_check $((SECONDS - started))s] $*"; }
 
 # 1. install (offline): the node keeps its own torch, transformers and peft
 if [ -n "$WHEELHOUSE" ]; then
     say "installing from $WHEELHOUSE"
-    if ! timeout "$INSTALL_S" "$PY" -m pip install --quiet --no-index --find-links "$WHEELHOUSE" -e '.[test,bench]' \
-        >"$LOGS/install.log" 2>&1; then
+    # the test extra less its linters (make gpu-bundle leaves them out: the carry's 64 MiB)
+    TEST_REQS=$("$PY" -c "
+import configparser
+p = configparser.ConfigParser(); p.read('setup.cfg')
+for line in p['options.extras_require']['test'].splitlines():
+    line = line.split('#')[0].strip()
+    if line and not line.startswith(('ruff', 'import-linter')):
+        print(line)")
+    mapfile -t TEST_REQS <<<"$TEST_REQS"
+    if ! timeout "$INSTALL_S" "$PY" -m pip install --quiet --no-index --find-links "$WHEELHOUSE" -e '.[bench,inspect]' \
+        "${TEST_REQS[@]}" >"$LOGS/install.log" 2>&1; then
         tail -20 "$LOGS/install.log"
         printf '# GPU check: the install failed\n\n```\n%s\n```\n' "$(tail -30 "$LOGS/install.log")" \
             >"$OUT_DIR/gpu_summary.md"
@@ -71,13 +83,15 @@ fi
 say "the CUDA lane"
 PARALLEL=()
 "$PY" -c "import xdist" 2>/dev/null && PARALLEL=(-n 8)
-timeout --kill-after=10 "$LANE_S" "$PY" -m pytest -q -m cuda -p no:cacheprovider "${PARALLEL[@]}" tests >"$LOGS/lane.log" 2>&1
+# -v: each test's verdict is in the log as it ends, also when the budget stops the lane before its summary
+timeout --kill-after=10 "$LANE_S" "$PY" -m pytest -v -rfE --tb=short --durations=25 -m cuda -p no:cacheprovider \
+    -p no:benchmark "${PARALLEL[@]}" tests >"$LOGS/lane.log" 2>&1
 lane_rc=$?
 {
     echo "\`pytest -m cuda tests\` (${PARALLEL[*]:-one process}), exit code $lane_rc$([ $lane_rc = 124 ] && echo ': stopped at its budget')."
     echo
     echo '```'
-    grep -E "^(FAILED|ERROR)|passed|failed|error" "$LOGS/lane.log" | tail -40
+    grep -E "^(FAILED|ERROR) |^=+ .*(passed|failed|error)" "$LOGS/lane.log" | tail -40
     echo '```'
 } >"$OUT_DIR/gpu_lane.md"
 tail -3 "$LOGS/lane.log"
@@ -98,5 +112,6 @@ timeout $((ROUTE_S + 30)) "$PY" bench/gpu_bench.py route --out "$OUT_DIR" --budg
 if [ -z "$DRY" ] && [ -d bench/results ] && [ "$OUT_DIR" != "$PWD/bench/results" ]; then
     cp "$OUT_DIR"/gpu_*.json "$OUT_DIR"/gpu_*.md bench/results/ 2>/dev/null
 fi
+tar -czf "$OUT_DIR/gpu_logs.tar.gz" -C "$LOGS" --exclude=cache . 2>/dev/null
 say "done: $(ls "$OUT_DIR" | tr '\n' ' ')"
 [ "$lane_rc" = 0 ]

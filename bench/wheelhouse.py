@@ -15,6 +15,9 @@ needs them.
 
 omegaconf's antlr4-python3-runtime 4.9.3 exists only as a source tarball: it is built here into a pure-Python
 wheel (py3-none-any) in the folder, so the target installs it without building anything.
+``--drop GLOB`` takes files out of the downloaded wheels (and their RECORD): a wheel's native libraries for
+targets other than the node's (bitsandbytes ships one per CUDA and ROCm release, 43 MiB; the bundle must fit the
+device tool's 64 MiB carry).
 ``wheelhouse.json`` in the folder lists what was resolved, kept and left out, with sizes.
 """
 
@@ -22,10 +25,12 @@ from __future__ import annotations
 
 import argparse
 import configparser
+import fnmatch
 import json
 import subprocess
 import sys
 import tempfile
+import zipfile
 from pathlib import Path
 
 try:
@@ -39,6 +44,28 @@ ROOT = Path(__file__).resolve().parent.parent
 SDIST_ONLY = {"antlr4-python3-runtime": "4.9.3"}  # built into wheels here
 BUILD_REQUIREMENTS = ["setuptools>=64", "wheel"]  # pyproject.toml's build-system: pip install -e . offline
 DEFAULT_EXCLUDE = ("torch", "transformers", "peft")
+
+
+def drop_members(wheel: Path, patterns: list[str]) -> list[str]:
+    """Rewrite ``wheel`` without the members that match any of ``patterns`` (fnmatch globs on the member's path),
+    and without their RECORD lines; returns the dropped members' names."""
+    with zipfile.ZipFile(wheel) as source:
+        names = source.namelist()
+        dropped = [n for n in names if any(fnmatch.fnmatch(n, p) for p in patterns)]
+        if not dropped:
+            return []
+        slim = wheel.with_suffix(".slim")
+        with zipfile.ZipFile(slim, "w", zipfile.ZIP_DEFLATED) as out:
+            for info in source.infolist():
+                if info.filename in dropped:
+                    continue
+                data = source.read(info)
+                if info.filename.endswith(".dist-info/RECORD"):
+                    lines = data.decode().splitlines(keepends=True)
+                    data = "".join(line for line in lines if line.split(",")[0] not in dropped).encode()
+                out.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+    slim.replace(wheel)
+    return dropped
 
 
 def requirements(setup_cfg: Path, extras: list[str]) -> list[str]:
@@ -142,6 +169,7 @@ def main() -> None:
     parser.add_argument("--extras", default="test,bench", help="setup.cfg extras to include, comma-separated")
     parser.add_argument("--exclude", default=" ".join(DEFAULT_EXCLUDE), help="packages the target has (spaces)")
     parser.add_argument("--have", type=Path, help="a file of packages the target has: name or name==version a line")
+    parser.add_argument("--drop", default="", help="globs of wheel members to leave out (spaces), e.g. native libs")
     args = parser.parse_args()
 
     extras = [e for e in args.extras.replace(",", " ").split() if e]
@@ -185,6 +213,10 @@ def main() -> None:
         if name not in SDIST_ONLY
     ]
     pip("download", "--quiet", "--no-deps", "-d", str(args.dir), *target, *downloads)
+    dropped = {}
+    for wheel in sorted(args.dir.glob("*.whl")):
+        if names := drop_members(wheel, args.drop.split()):
+            dropped[wheel.name] = names
 
     wheels = {p.name: p.stat().st_size for p in sorted(args.dir.glob("*.whl"))}
     stale = [n for n in wheels if canonicalize_name(n.split("-")[0]) not in kept]
@@ -202,6 +234,7 @@ def main() -> None:
             if canonicalize_name(i["metadata"]["name"]) not in kept
         ),
         "wheels": wheels,
+        "dropped": dropped,  # members taken out (--drop)
         "stale_wheels": stale,  # in the folder from an earlier build, not needed by this one
         "total_mib": round(sum(wheels.values()) / 2**20, 2),
     }

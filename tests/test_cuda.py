@@ -113,7 +113,28 @@ def test_an_exact_run_asks_for_deterministic_kernels_on_cuda_only(device):
     with deterministic_kernels(device) as turned_on:
         assert turned_on == (device == "cuda")
         assert torch.are_deterministic_algorithms_enabled() == (device == "cuda")
+        assert not torch.is_deterministic_algorithms_warn_only_enabled()  # strict: see the next test
     assert not torch.are_deterministic_algorithms_enabled()  # process-wide: given back
+
+
+@needs_cuda
+@pytest.mark.cuda
+def test_attention_backward_repeats_bitwise_in_an_exact_run():
+    """On an H200 (2026-11-27) one seed gave two adapters: with ``warn_only=True`` the memory-efficient
+    attention backward warned and split its keys across blocks, summing them in whatever order they finished.
+    Strict mode makes torch run it unsplit. A shape that splits: long keys, few batch x heads."""
+    q, k, v = (torch.randn(1, 2, 1024, 64, device="cuda", requires_grad=True) for _ in range(3))
+    grad = torch.randn(1, 2, 1024, 64, device="cuda")
+
+    def grads():
+        for t in (q, k, v):
+            t.grad = None
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+        return [t.grad.clone() for t in (q, k, v)]
+
+    with deterministic_kernels("cuda"):
+        first = grads()
+        assert all(torch.equal(a, b) for _ in range(5) for a, b in zip(first, grads()))
 
 
 # ----------------------------------------------------------------------------- where the work happens

@@ -6,8 +6,11 @@
 - ``deterministic_kernels``: an exact run (float32, ``engine.batch_invariant``: agl.runtime) on CUDA asks
   torch for deterministic algorithms, so one seed gives one run there too (tests/test_reproducible.py, on
   the CUDA lane). cuBLAS needs ``CUBLAS_WORKSPACE_CONFIG`` set before its first matmul: ``harness.py``
-  sets it when a run will use CUDA (agl.memory.runs_on_cuda). ``warn_only``: an op that has no
-  deterministic CUDA kernel warns rather than failing the run; the reproducibility test is the check.
+  sets it when a run will use CUDA (agl.memory.runs_on_cuda). Not ``warn_only``: an op with no
+  deterministic CUDA kernel stops the run with torch's error naming it, since an exact run that is not exact is
+  worse than none. Strict mode is also what turns deterministic kernels on where torch has both: with
+  ``warn_only=True`` the backward of scaled-dot-product attention (the memory-efficient kernel) only warns
+  and keeps splitting its keys across blocks, and one seed gave different adapters on an H200 (2026-11-27).
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ def deterministic_kernels(device: torch.device | str) -> Iterator[bool]:
             stacklevel=2,
         )
     before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.use_deterministic_algorithms(True, warn_only=False)
     try:
         yield True
     finally:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import weakref
 from collections.abc import Sequence
@@ -43,6 +44,12 @@ JSON_STYLE = {"whitespace_flexible": True, "whitespace_pattern": "[ ]?"}
 _BITS = (torch.arange(256)[:, None] >> torch.arange(8)) & 1  # [256, 8]: bit b of byte value x
 _BIAS_LUT = torch.where(_BITS.bool(), 0.0, float("-inf"))  # byte -> its 8 tokens' additive mask
 _POPCOUNT = _BITS.sum(-1)  # [256]
+
+
+@functools.cache
+def _bias_lut(device: torch.device) -> torch.Tensor:
+    """``_BIAS_LUT`` on ``device`` (float32), copied there once."""
+    return _BIAS_LUT.to(device, torch.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +160,7 @@ def mask_bias(bitmask_RW: torch.Tensor, vocab_size: int) -> torch.Tensor:
     One table lookup per byte of the bitmask (a gather of 8 floats), not a bit shift per token.
     """
     bytes_RB = bitmask_RW.contiguous().view(torch.uint8).long()
-    bias = torch.nn.functional.embedding(bytes_RB, _BIAS_LUT.to(torch.float32))  # [R, W*4, 8]
+    bias = torch.nn.functional.embedding(bytes_RB, _bias_lut(bytes_RB.device))  # [R, W*4, 8], on the mask's device
     return bias.reshape(bitmask_RW.shape[0], -1)[:, :vocab_size]
 
 
@@ -161,9 +168,10 @@ def allowed_counts(bitmask_RW: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """How many of the first ``vocab_size`` tokens each bitmask row allows. [R]"""
     full, rest = divmod(vocab_size, 8)
     bytes_RB = bitmask_RW.contiguous().view(torch.uint8)
-    counts = _POPCOUNT[bytes_RB[:, :full].long()].sum(-1)
+    popcount = _POPCOUNT.to(bytes_RB.device)
+    counts = popcount[bytes_RB[:, :full].long()].sum(-1)
     if rest:
-        counts += _POPCOUNT[(bytes_RB[:, full] & ((1 << rest) - 1)).long()]
+        counts += popcount[(bytes_RB[:, full] & ((1 << rest) - 1)).long()]
     return counts
 
 
