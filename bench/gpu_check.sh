@@ -44,7 +44,7 @@ INSTALL_S="${INSTALL_S:-90}" LANE_S="${LANE_S:-240}" GRPO_S="${GRPO_S:-150}" ROU
 started=$SECONDS
 say() { echo "[gpu_check $((SECONDS - started))s] $*"; }
 
-# 1. install (offline): the node keeps its own torch, transformers and peft
+# 1. install (offline): the node keeps its own torch (its transformers, 5.17, is below agl's floor: 5.24 travels)
 if [ -n "$WHEELHOUSE" ]; then
     say "installing from $WHEELHOUSE"
     # the test extra less its linters (make gpu-bundle leaves them out: the carry's 64 MiB)
