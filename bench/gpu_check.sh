@@ -48,14 +48,14 @@ say() { echo "[gpu_check $((SECONDS - started))s] $*"; }
 if [ -n "$WHEELHOUSE" ]; then
     say "installing from $WHEELHOUSE"
     # the test extra less its linters (make gpu-bundle leaves them out: the carry's 64 MiB)
-    TEST_REQS=$("$PY" -c "
+    mapfile -t TEST_REQS < <("$PY" -c "
 import configparser
 p = configparser.ConfigParser(); p.read('setup.cfg')
 for line in p['options.extras_require']['test'].splitlines():
     line = line.split('#')[0].strip()
     if line and not line.startswith(('ruff', 'import-linter')):
         print(line)")
-    mapfile -t TEST_REQS <<<"$TEST_REQS"
+    [ "${#TEST_REQS[@]}" -gt 0 ] || { echo "could not read the test extra from setup.cfg" >&2; exit 1; }
     if ! timeout "$INSTALL_S" "$PY" -m pip install --quiet --no-index --find-links "$WHEELHOUSE" -e '.[bench,inspect]' \
         "${TEST_REQS[@]}" >"$LOGS/install.log" 2>&1; then
         tail -20 "$LOGS/install.log"
@@ -91,7 +91,8 @@ lane_rc=$?
     echo "\`pytest -m cuda tests\` (${PARALLEL[*]:-one process}), exit code $lane_rc$([ $lane_rc = 124 ] && echo ': stopped at its budget')."
     echo
     echo '```'
-    grep -E "^(FAILED|ERROR) |^=+ .*(passed|failed|error)" "$LOGS/lane.log" | tail -40
+    # the verdicts as they came (-v: "[gw3] [ 10%] FAILED tests/..."), then the summary if the lane got to it
+    grep -E "(FAILED|ERROR) tests/|^=+ .*(passed|failed|error)" "$LOGS/lane.log" | tail -40
     echo '```'
 } >"$OUT_DIR/gpu_lane.md"
 tail -3 "$LOGS/lane.log"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import configparser
+import copy
 import fnmatch
 import json
 import subprocess
@@ -63,7 +64,7 @@ def drop_members(wheel: Path, patterns: list[str]) -> list[str]:
                 if info.filename.endswith(".dist-info/RECORD"):
                     lines = data.decode().splitlines(keepends=True)
                     data = "".join(line for line in lines if line.split(",")[0] not in dropped).encode()
-                out.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED)
+                out.writestr(copy.copy(info), data, compress_type=zipfile.ZIP_DEFLATED)  # writestr edits its info
     slim.replace(wheel)
     return dropped
 

@@ -562,18 +562,20 @@ class Engine:
         if not rows:
             return allowed
         V = scaled_BV.shape[1]
-        # llguidance fills host memory; a row without a grammar allows every token (its bias is 0)
-        bitmask_BW = torch.full((len(seqs), bitmask_words(V)), -1, dtype=torch.int32)
-        for i in rows:
-            seqs[i].grammar.fill(bitmask_BW[i])
-        counts = allowed_counts(bitmask_BW[rows], V).tolist()
+        bitmask_RW = torch.empty((len(rows), bitmask_words(V)), dtype=torch.int32)
+        for r, i in enumerate(rows):
+            seqs[i].grammar.fill(bitmask_RW[r])
+        counts = allowed_counts(bitmask_RW, V).tolist()
         for r, i in enumerate(rows):
             if counts[r] == 0:  # nothing allowed: the grammar is in error; the row samples freely and ends
                 seqs[i].error = f"the grammar allows no token: {seqs[i].grammar.error or 'it is in an error state'}"
-                bitmask_BW[i] = -1
+                bitmask_RW[r] = -1
             allowed[i] = counts[r]
-        # the bits go to the logits' device (6 KiB a row), not the [B, V] bias (200 KiB a row at 49k tokens)
-        scaled_BV.add_(mask_bias(bitmask_BW.to(scaled_BV.device), V))
+        bias_RV = mask_bias(bitmask_RW, V)
+        if len(rows) == len(seqs):
+            scaled_BV.add_(bias_RV)
+        else:
+            scaled_BV.index_add_(0, torch.tensor(rows), bias_RV)
         return allowed
 
 
