@@ -47,7 +47,7 @@ endef
 
 # The main venv, with every extra whose tests run in it (they must run, not skip), and the docs site's tools.
 $(VENV)/.installed: setup.cfg pyproject.toml Makefile $(TORCH_WHEELS)/.downloaded
-	$(call make_venv,$(VENV),test$(,)launchers$(,)tensorboard$(,)wandb$(,)frameworks$(,)inspect$(,)docs)
+	$(call make_venv,$(VENV),test$(,)lint$(,)launchers$(,)tensorboard$(,)wandb$(,)frameworks$(,)inspect$(,)docs)
 
 run: setup
 	$(BIN)/python harness.py $(RUN_ARGS)
@@ -130,14 +130,15 @@ wheelhouse:
 	    --exclude "$(EXCLUDE)" $(if $(HAVE),--have $(HAVE)) --drop "$(DROP)"
 
 # What bench/gpu_check.sh needs beside the checkout, in .gpu/ (the device tool's carry): the wheels the GPU
-# nodes lack (bench/gpu_node_packages.txt; no linters) and the embedded tokenizer's files. The nodes' transformers
+# nodes lack (bench/gpu_node_packages.txt; the extras the check installs, not the linters') and the embedded
+# tokenizer's files. The nodes' transformers
 # (5.17) is older than agl's floor, so 5.24 travels; bitsandbytes keeps only its CUDA 13 libraries (the nodes'
 # torch is cu130): with its other CUDA, ROCm and XPU builds the bundle would not fit the 64 MiB carry.
 # manylinux_2_35: the nodes' Python 3.12.3 is Ubuntu 24.04's (glibc 2.39); llguidance needs 2.31.
 gpu-bundle:
 	rm -rf .gpu/wheelhouse
 	$(MAKE) --no-print-directory wheelhouse PY=3.12 PLATFORM=manylinux_2_35_x86_64 DIR=.gpu/wheelhouse \
-	    EXTRAS=test,bench,inspect HAVE=bench/gpu_node_packages.txt EXCLUDE="torch ruff import-linter" \
+	    EXTRAS=test,bench,inspect HAVE=bench/gpu_node_packages.txt EXCLUDE=torch \
 	    DROP="bitsandbytes/libbitsandbytes_cuda1[12]*.so bitsandbytes/libbitsandbytes_rocm*.so bitsandbytes/libbitsandbytes_xpu*.so"
 	PYTHONPATH=. $(WHEEL_PYTHON) bench/export_tokenizer.py .gpu/tokenizer
 	@du -sh .gpu/wheelhouse .gpu/tokenizer

@@ -8,7 +8,7 @@ H200 the route's step cost about 33 ms at any batch against 0.7 ms of memory tra
 here is the cost of one op, which CUDA graphs would replace by a replay of the recorded kernels.
 
 The count is taken on the CPU, on random-weight models of a shape's architecture at 2 and 4 layers (a
-``TorchDispatchMode`` counting every aten op of one step of the fast decode over merged sampler weights, 8 rows),
+``TorchDispatchMode`` counting every aten op of one step of the fast decode over merged sampler weights, ``ROWS`` rows),
 and extended to the shape's depth: ops = fixed + per layer x layers. On CUDA the same Python issues the same ops.
 Views (``view``, ``t``, ``slice``, ...) are counted apart: they launch no kernel but still cost a dispatch; so may
 some of the others (a ``to`` a tensor already has).
@@ -31,6 +31,7 @@ from agl.policy.sampler_weights import MergedSampler
 
 SHAPES = ("shape_smollm2_135m", "shape_qwen25_15b")
 VIEWS = {"view", "_unsafe_view", "t", "slice", "unsqueeze", "squeeze", "expand", "transpose", "permute", "select"}
+ROWS = 8  # rows in the counted step
 H200_STEP_MS = 33.0  # the route's fixed cost a step on the H200 (bench/results/gpu_route.md: 34 ms at 1 client)
 
 
@@ -44,7 +45,7 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def count_step(shape: str, layers: int, rows: int = 8, cached: int = 16) -> collections.Counter[str]:
+def count_step(shape: str, layers: int, rows: int = ROWS, cached: int = 16) -> collections.Counter[str]:
     """The aten ops of one decode step of ``shape``'s architecture at ``layers`` layers and a tiny width."""
     cfg = model_config(shape)
     heads = cfg.tiny.num_attention_heads  # the shape's heads and kv heads (the grouping), 8 dims each
@@ -94,7 +95,7 @@ def main() -> None:
     for row in rows:  # the fixed cost was measured at the 1.5B shape only
         measured = row["shape"] == "shape_qwen25_15b"
         row["us_per_op_at_h200_step"] = round(H200_STEP_MS * 1000 / row["ops_per_step"], 1) if measured else None
-    out = {"date": datetime.now().strftime("%Y-%m-%d %H:%M"), "rows_in_step": 8, "shapes": rows}
+    out = {"date": datetime.now().strftime("%Y-%m-%d %H:%M"), "rows_in_step": ROWS, "shapes": rows}
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "decode_ops.json").write_text(json.dumps(out, indent=1))
     lines = [

@@ -3,7 +3,7 @@
 #
 #   bench/gpu_check.sh [--wheelhouse DIR] [--tokenizer DIR] [--out DIR] [--python PY] [--cpu-dry-run]
 #
-#   --wheelhouse DIR  pip install --no-index --find-links DIR -e '.[test,bench]' first (make gpu-bundle)
+#   --wheelhouse DIR  pip install --no-index --find-links DIR -e '.[test,bench,inspect]' first (make gpu-bundle)
 #   --tokenizer DIR   the embedded tokenizer's files (make gpu-bundle): random-weight models build from it alone
 #                     (default .gpu/tokenizer where it exists, else the embedded model's)
 #   --out DIR         where the results go (default $OUT, else ./gpu-out); also copied to bench/results/
@@ -47,17 +47,8 @@ say() { echo "[gpu_check $((SECONDS - started))s] $*"; }
 # 1. install (offline): the node keeps its own torch (its transformers, 5.17, is below agl's floor: 5.24 travels)
 if [ -n "$WHEELHOUSE" ]; then
     say "installing from $WHEELHOUSE"
-    # the test extra less its linters (make gpu-bundle leaves them out: the carry's 64 MiB)
-    mapfile -t TEST_REQS < <("$PY" -c "
-import configparser
-p = configparser.ConfigParser(); p.read('setup.cfg')
-for line in p['options.extras_require']['test'].splitlines():
-    line = line.split('#')[0].strip()
-    if line and not line.startswith(('ruff', 'import-linter')):
-        print(line)")
-    [ "${#TEST_REQS[@]}" -gt 0 ] || { echo "could not read the test extra from setup.cfg" >&2; exit 1; }
-    if ! timeout "$INSTALL_S" "$PY" -m pip install --quiet --no-index --find-links "$WHEELHOUSE" -e '.[bench,inspect]' \
-        "${TEST_REQS[@]}" >"$LOGS/install.log" 2>&1; then
+    if ! timeout "$INSTALL_S" "$PY" -m pip install --quiet --no-index --find-links "$WHEELHOUSE" \
+        -e '.[test,bench,inspect]' >"$LOGS/install.log" 2>&1; then
         tail -20 "$LOGS/install.log"
         printf '# GPU check: the install failed\n\n```\n%s\n```\n' "$(tail -30 "$LOGS/install.log")" \
             >"$OUT_DIR/gpu_summary.md"

@@ -317,12 +317,8 @@ def test_recorded_logprobs_match_a_teacher_forced_forward_pass(served):
     async def forward(ids):
         async with served.engine.paused():  # the engine's thread must not use the model meanwhile
             with torch.inference_mode():
-                return (
-                    served.policy.model(input_ids=torch.tensor([ids], device=served.policy.device))
-                    .logits[0]
-                    .float()
-                    .cpu()
-                )
+                ids_1T = torch.tensor([ids], device=served.policy.device)
+                return served.policy.model(input_ids=ids_1T).logits[0].float().cpu()
 
     for span in spans:
         prompt, response = span.prompt_token_ids, span.response_token_ids

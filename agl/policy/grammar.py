@@ -47,9 +47,9 @@ _POPCOUNT = _BITS.sum(-1)  # [256]
 
 
 @functools.cache
-def _bias_lut(device: torch.device) -> torch.Tensor:
-    """``_BIAS_LUT`` on ``device`` (float32), copied there once."""
-    return _BIAS_LUT.to(device, torch.float32)
+def _tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_BIAS_LUT`` (float32) and ``_POPCOUNT`` on ``device``, copied there once (on the CPU: themselves)."""
+    return _BIAS_LUT.to(device, torch.float32), _POPCOUNT.to(device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +160,8 @@ def mask_bias(bitmask_RW: torch.Tensor, vocab_size: int) -> torch.Tensor:
     One table lookup per byte of the bitmask (a gather of 8 floats), not a bit shift per token.
     """
     bytes_RB = bitmask_RW.contiguous().view(torch.uint8).long()
-    bias = torch.nn.functional.embedding(bytes_RB, _bias_lut(bytes_RB.device))  # [R, W*4, 8], on the mask's device
+    bias_lut, _ = _tables(bytes_RB.device)
+    bias = torch.nn.functional.embedding(bytes_RB, bias_lut)  # [R, W*4, 8], on the mask's device
     return bias.reshape(bitmask_RW.shape[0], -1)[:, :vocab_size]
 
 
@@ -168,7 +169,7 @@ def allowed_counts(bitmask_RW: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """How many of the first ``vocab_size`` tokens each bitmask row allows. [R]"""
     full, rest = divmod(vocab_size, 8)
     bytes_RB = bitmask_RW.contiguous().view(torch.uint8)
-    popcount = _POPCOUNT.to(bytes_RB.device)
+    _, popcount = _tables(bytes_RB.device)
     counts = popcount[bytes_RB[:, :full].long()].sum(-1)
     if rest:
         counts += popcount[(bytes_RB[:, full] & ((1 << rest) - 1)).long()]
