@@ -155,15 +155,13 @@ TINY_GRPO_RUN = [
 
 
 def run_harness(*args: str, timeout: float = 300):
-    """``python harness.py *args`` from the checkout, tests/ importable (the agents above live there)."""
-    import subprocess
-    import sys
+    """``python harness.py *args`` from the checkout, tests/ importable (the agents above live there), forked
+    where it can be (tests/prefork.py): a ``subprocess.CompletedProcess``."""
+    from prefork import run
 
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(root / "tests")}
-    return subprocess.run(
-        [sys.executable, "harness.py", *args], cwd=root, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return run(list(args), env, timeout)
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,9 @@ with ``AGL_TEST_KILL`` set it patches that process:
   ``rollout``     dies inside the first rollout this process runs, after its first LLM call;
   ``update``      dies right after the first GRPO update of this process changed the LoRA
                   in memory, before the policy version moves or anything is saved;
+  ``update:N``    the same, after the GRPO update that is its optimizer's N-th step (a restored
+                  optimizer counts the steps it was saved after): the next process resumes from
+                  the checkpoint before it, restoring an optimizer with state;
   ``checkpoint``  dies inside the first checkpoint transaction, after its rows are written
                   and before COMMIT;
   ``eval_rows:N`` dies right after this process kept its N-th row in the eval cache
@@ -38,13 +41,15 @@ def multi_turn_agent(task: dict, llm, prompt_template: str, **kwargs) -> float:
     return e2e_agents.multi_turn_agent(task, llm, prompt_template, **kwargs)
 
 
-def _die_after(cls: type, name: str) -> None:
-    """Patch ``cls.<name>`` to run as usual and then kill the process."""
+def _die_after(cls: type, name: str, when=lambda self: True) -> None:
+    """Patch ``cls.<name>`` to run as usual and then kill the process (if ``when(self)``)."""
     original = getattr(cls, name)
 
     def patched(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        _die()
+        result = original(self, *args, **kwargs)
+        if when(self):
+            _die()
+        return result
 
     setattr(cls, name, patched)
 
@@ -52,10 +57,11 @@ def _die_after(cls: type, name: str) -> None:
 def _install(point: str) -> None:
     if point in ("", "rollout"):
         return
-    if point == "update":
+    if point == "update" or point.startswith("update:"):
         from agl.train.grpo import GRPOUpdate
 
-        _die_after(GRPOUpdate, "step")
+        nth = int(point.partition(":")[2] or 0)
+        _die_after(GRPOUpdate, "step", when=lambda update: optimizer_steps(update.optimizer) >= nth)
     elif point == "checkpoint":
         from agl.store.runstate import RunState
 
@@ -72,7 +78,12 @@ def _install(point: str) -> None:
 
         CacheEntry.write = write_then_die
     else:
-        raise ValueError(f"AGL_TEST_KILL={point!r}: expected rollout, update, checkpoint or eval_rows:N")
+        raise ValueError(f"AGL_TEST_KILL={point!r}: expected rollout, update, update:N, checkpoint or eval_rows:N")
+
+
+def optimizer_steps(optimizer) -> int:
+    """How many steps ``optimizer`` (Adam's family) has taken, those before a restore included."""
+    return max((int(state["step"]) for state in optimizer.state.values() if "step" in state), default=0)
 
 
 _install(KILL_AT)

@@ -12,6 +12,7 @@ resumed, with runner processes, with loggers.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import shutil
@@ -19,7 +20,10 @@ import sqlite3
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+from prefork import Forked, forkable
 
 ROOT = Path(__file__).resolve().parents[1]
 RUN = [
@@ -63,14 +67,12 @@ LOGS = Path(tempfile.mkdtemp(prefix="agl-harness-logs-"))
 atexit.register(shutil.rmtree, LOGS, ignore_errors=True)
 
 
-class Harness(subprocess.Popen):
-    """A harness process whose output (stdout and stderr, its runner processes' too) goes to a file, never to
+class Output:
+    """A harness whose output (stdout and stderr, its runner processes' too) goes to a file, ``log``, never to
     a pipe: a test that waits on something else would not read the pipe, and a full pipe stops every process
     writing to it (a loaded machine makes more warnings: the wait would be forever)."""
 
-    def __init__(self, args: list[str], env: dict):
-        self.log = tempfile.NamedTemporaryFile("w+", dir=LOGS, suffix=".log", delete=False)
-        super().__init__(args, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+    log: tempfile._TemporaryFileWrapper
 
     def output(self) -> str:
         return Path(self.log.name).read_text(errors="replace")
@@ -80,12 +82,35 @@ class Harness(subprocess.Popen):
         return self.output(), None
 
 
+class Harness(Output, subprocess.Popen):
+    """``python harness.py`` in a fresh interpreter (what tests/prefork.py cannot fork)."""
+
+    def __init__(self, args: list[str], env: dict):
+        self.log = tempfile.NamedTemporaryFile("w+", dir=LOGS, suffix=".log", delete=False)
+        command = [sys.executable, "harness.py", *args]
+        super().__init__(command, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+class ForkedHarness(Output, Forked):
+    """``python harness.py`` forked from this test process's forkserver (tests/prefork.py)."""
+
+    def __init__(self, args: list[str], env: dict):
+        self.log = tempfile.NamedTemporaryFile("w+", dir=LOGS, suffix=".log", delete=False)
+        super().__init__(args, env, stdout=self.log.name, stderr=self.log.name)
+
+
 def harness(
-    *args: str, kill: str = "", device: str = "cpu", eval_cache: Path | None = None, env: dict | None = None
-) -> Harness:
+    *args: str,
+    kill: str = "",
+    device: str = "cpu",
+    eval_cache: Path | None = None,
+    env: dict | None = None,
+    fresh: bool = False,
+) -> Harness | ForkedHarness:
     """``python harness.py *args`` in its own process group, on ``device`` (a resumed run keeps the device it
-    was started with: its saved config). ``kill``: a tests/crash_points.py kill point; ``eval_cache``: the
-    eval cache's dir (else the session's, tests/conftest.py)."""
+    was started with: its saved config), forked where it can be (tests/prefork.py) unless ``fresh``. ``kill``:
+    a tests/crash_points.py kill point; ``eval_cache``: the eval cache's dir (else the session's,
+    tests/conftest.py)."""
     if not any(a.startswith("resume=") for a in args):
         args = (*args, f"device={device}")
     environ = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "tests"), "AGL_TEST_KILL": kill}
@@ -93,7 +118,7 @@ def harness(
     if eval_cache is not None:
         environ["AGL_EVAL_CACHE"] = str(eval_cache)
     environ.update(env or {})
-    return Harness([sys.executable, "harness.py", *args], environ)
+    return (ForkedHarness if forkable(args, environ) and not fresh else Harness)(list(args), environ)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
@@ -102,9 +127,22 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
     return out
 
 
-def run(run_dir: Path, *extra: str, device: str = "cpu", eval_cache: Path | None = None) -> Path:
+def job_started(proc: Output, run_dir: Path, timeout: float = 300) -> None:
+    """Wait until ``proc``'s job has begun in ``run_dir`` (its status.json names it running: agl/report/status.py)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        with contextlib.suppress(OSError, ValueError):  # not written yet
+            status = json.loads((run_dir / "status.json").read_text())
+            if status["status"] == "running" and status["pid"] == proc.pid:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"its job did not start in {run_dir}: " + proc.output()[-2000:])
+
+
+def run(run_dir: Path, *extra: str, device: str = "cpu", eval_cache: Path | None = None, fresh: bool = False) -> Path:
     """The reference job (``RUN`` with in-process runners, then ``extra``) into ``run_dir``."""
-    finish(harness(*RUN, *IN_PROCESS_RUNNERS, *extra, f"hydra.run.dir={run_dir}", device=device, eval_cache=eval_cache))
+    args = (*RUN, *IN_PROCESS_RUNNERS, *extra, f"hydra.run.dir={run_dir}")
+    finish(harness(*args, device=device, eval_cache=eval_cache, fresh=fresh))
     return run_dir
 
 

@@ -4,14 +4,13 @@ to damage and to share between parallel jobs. Tiny model, real store, route and 
 import asyncio
 import json
 import logging
-import os
 import shutil
 import sqlite3
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import runs
 import torch
 from hydra import compose, initialize_config_dir
 
@@ -263,23 +262,11 @@ async def test_a_damaged_row_or_key_is_recomputed_with_one_warning(tmp_path, cap
 # ----------------------------------------------------------------------------- processes
 
 
-def harness(run_dir: Path, cache: Path, *args: str, kill: str = "") -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests"), "AGL_TEST_KILL": kill, "OMP_NUM_THREADS": "1"}
-    env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.Popen(
-        [sys.executable, "harness.py", *EVAL, f"eval_cache.dir={cache}", f"hydra.run.dir={run_dir}", *args],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+def harness(run_dir: Path, cache: Path, *args: str, kill: str = "") -> runs.Output:
+    """``python harness.py`` (forked: tests/prefork.py) evaluating ``EVAL`` into ``cache``."""
+    return runs.harness(
+        *EVAL, f"eval_cache.dir={cache}", f"hydra.run.dir={run_dir}", *args, kill=kill, env={"OMP_NUM_THREADS": "1"}
     )
-
-
-def finish(proc: subprocess.Popen) -> str:
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-3000:]
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -306,7 +293,7 @@ async def test_a_killed_eval_resumes_from_the_rows_it_kept(tmp_path, reference_r
 def test_two_jobs_racing_for_one_entry_compute_it_once(tmp_path, reference_rows):
     cache = tmp_path / "evals"
     jobs = [harness(tmp_path / name, cache) for name in ("a", "b")]
-    outs = [finish(job) for job in jobs]
+    outs = [runs.finish(job) for job in jobs]
     # whoever came second waited for the first, or found its rows: 16 rollouts ran in all, not 32
     assert attempts(tmp_path / "a") + attempts(tmp_path / "b") == 16, [o[-1500:] for o in outs]
     assert rows_of(cache) == reference_rows and len(list(cache.glob("*/*/key.json"))) == 1

@@ -13,7 +13,7 @@ import shutil
 import signal
 import time
 
-from runs import ROLLOUTS_PER_STEP, RUN, STEPS, adapter, finish, harness, metrics, query, run
+from runs import ROLLOUTS_PER_STEP, RUN, STEPS, adapter, finish, harness, job_started, metrics, query, run
 
 SPANS = (
     "SELECT rollout_id, attempt_id, sequence_id, name, prompt_token_ids, response_token_ids, response_logprobs "
@@ -22,7 +22,9 @@ SPANS = (
 
 
 def test_one_seed_gives_one_run(reference, tmp_path, device):
-    again = run(tmp_path / "again", device=device, eval_cache=tmp_path / "evals")  # an empty eval cache
+    """Again, in a fresh interpreter (the reference and the other runs here are forked: tests/prefork.py),
+    with an empty eval cache."""
+    again = run(tmp_path / "again", device=device, eval_cache=tmp_path / "evals", fresh=True)
     assert adapter(again) == adapter(reference)
     assert metrics(again) == metrics(reference)
     # the store too: the same rollouts, ids, tokens and log-probs (stored in arrival order, so sorted)
@@ -44,18 +46,21 @@ def test_evals_replayed_from_the_cache_change_nothing(reference, tmp_path, devic
 
 
 def test_kill_9_anywhere_changes_nothing(reference, tmp_path, device):
-    """Killed at two random moments, then inside a rollout, inside an update and inside a checkpoint
-    write, resumed each time: the adapter bytes and metrics of the uninterrupted run, every step trained
-    once, and an interrupted step's rollouts reused rather than enqueued again."""
+    """Killed at two random moments, then inside a rollout, inside the last GRPO update and inside a
+    checkpoint write (so the last resume restores a GRPO optimizer that has state), resumed each time: the
+    adapter bytes and metrics of the uninterrupted run, every step trained once, and an interrupted step's
+    rollouts reused rather than enqueued again."""
     run_dir, evals = tmp_path / "killed", tmp_path / "evals"  # an empty eval cache: kills may land in the evals
     rng = random.Random(int(os.environ.get("AGL_TEST_KILL_SEED", "0")))
     duration = json.loads((reference / "status.json").read_text())["duration_s"]  # the job, model loaded
     checkpoints_at_kill = []
     proc = harness(*RUN, "runner.n=8", f"hydra.run.dir={run_dir}", device=device, eval_cache=evals)
-    for point in ("random", "random", "rollout", "update", "checkpoint"):
-        if point == "random":  # somewhere in the job, after the model has loaded (~3 s), early enough that a GRPO
-            # update is left for the update kill
-            time.sleep(3.0 + rng.uniform(0.0, 0.3 * duration))
+    last_update = f"update:{STEPS - 1}"  # the last GRPO step's: the resume after it restores a GRPO optimizer
+    for point in ("random", "random", "rollout", last_update, "checkpoint"):
+        if point == "random":  # somewhere in the job (timed from its start, not its process's: a forked one starts
+            # in a second, a fresh one in several), early enough that a GRPO update is left for the update kill
+            job_started(proc, run_dir)
+            time.sleep(rng.uniform(0.0, 0.3 * duration))
             assert proc.poll() is None, "the run ended before it was killed: " + proc.output()[-2000:]
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -65,7 +70,7 @@ def test_kill_9_anywhere_changes_nothing(reference, tmp_path, device):
         checkpoints_at_kill.append(
             (point, [step for (step,) in query(run_dir, "SELECT step FROM checkpoints ORDER BY step")])
         )
-        upcoming = {"random": "", "rollout": "update", "update": "checkpoint", "checkpoint": ""}
+        upcoming = {"random": "", "rollout": last_update, last_update: "checkpoint", "checkpoint": ""}
         next_point = "rollout" if len(checkpoints_at_kill) == 2 else upcoming[point]
         proc = harness(f"resume={run_dir}", kill=next_point, eval_cache=evals)
     finish(proc)

@@ -1,6 +1,7 @@
 """Two harnesses, one run: a run dir held by a live job is never trained by a second one.
 
-Real ``harness.py`` processes (the process boundary and the kernel's lock are what is tested): a
+Real ``harness.py`` processes (the process boundary and the kernel's lock are what is tested; the first is a
+fresh interpreter, whose command line the refusal names, the others are forked: tests/prefork.py): a
 ``resume=`` started beside a live job is refused with one line naming the job's pid; once that job
 is killed with ``kill -9`` its lock is gone with it, and the next ``resume=`` takes the run over
 and finishes it, every step written once. A sweep whose job dir another process holds skips that
@@ -16,6 +17,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import prefork
 
 from agl.jobs.run_lock import holding_run_dir
 
@@ -42,9 +45,8 @@ def env(**extra: str) -> dict:
 
 
 def harness(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "harness.py", *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=timeout
-    )
+    """``python harness.py *args``, forked (tests/prefork.py): a process of its own, which takes its own lock."""
+    return prefork.run(list(args), env(), timeout)
 
 
 def wait_for(predicate, timeout: float = 120, what: str = "") -> None:

@@ -4,9 +4,9 @@ import csv
 import json
 import os
 import sqlite3
-import subprocess
-import sys
 from pathlib import Path
+
+import prefork
 
 import agl
 from agl.report.status import write_status
@@ -77,11 +77,10 @@ def test_summary_table_csv_and_plot(tmp_path):
 
 
 def _sweep(cwd, pythonpath):
-    """A 2-job sweep on the basic launcher (one job after the other, in this command's process): one GRPO
+    """A 2-job sweep on the basic launcher (one job after the other, in this command's process, forked:
+    tests/prefork.py): one GRPO
     step of 2 rollouts each, and one eval task before and after."""
     args = [
-        sys.executable,
-        str(ROOT / "harness.py"),
         "-m",
         "model=tiny",
         "task=hello",
@@ -97,7 +96,7 @@ def _sweep(cwd, pythonpath):
         "task.agent=tasks.hello.agent:hello_agent,late_agent:hello_agent",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(pythonpath)}
-    result = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    result = prefork.run(args, env, timeout=600, cwd=cwd)  # forked: tests/prefork.py
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout + result.stderr
 
