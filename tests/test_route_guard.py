@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from agl.policy.load import load_policy
 from agl.policy.lora import find_adapter_dir
 from agl.report.run_report import report
 from agl.route.server import ModelServer
+from agl.store import SqliteStore
 
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 2048  # server.max_request_bytes of the route under test
@@ -119,6 +121,36 @@ def test_a_body_over_the_limit_is_a_413_declared_or_chunked(route):
     assert f"over {LIMIT} bytes" in error["message"]
     assert_openai_error(post(route, "/responses", content=big), 413, "request_too_large")
     assert_openai_error(post(route, "/completions", content=big), 413, "request_too_large")
+
+
+def test_a_call_once_the_stores_disk_is_full_is_a_503_not_a_server_error(tiny_model_cfg, tmp_path, caplog):
+    """The job that owns the store stops on the full disk (tests/test_full_disk.py); a call that arrives meanwhile
+    reads the store before it runs (its rollout and attempt) and gets OpenAI's 503, with nothing logged as a
+    server error."""
+
+    async def call_on_a_full_store() -> httpx.Response:
+        policy = load_policy(tiny_model_cfg, "cpu")
+        engine, store = Engine(policy), SqliteStore(tmp_path / "store.sqlite", watchdog_interval=None)
+        await engine.start()
+        server = ModelServer(engine, policy, store)
+        await server.start()
+        try:
+            rollout = await store.start_rollout(input={"question": "hi"})
+            store._db.full = True  # what a write that met ENOSPC leaves (agl/store/db.py): every later use says so
+            async with httpx.AsyncClient(timeout=60) as client:
+                url = server.rollout_base_url(rollout.rollout_id, rollout.attempt.attempt_id)
+                return await client.post(f"{url}/chat/completions", json=chat("hi"))
+        finally:
+            store._db.full = False
+            await server.stop()
+            await engine.stop()
+            await store.close()
+
+    with caplog.at_level(logging.ERROR):
+        response = asyncio.run(call_on_a_full_store())
+    error = assert_openai_error(response, 503, "disk_full")
+    assert "no space left on the device holding" in error["message"], error
+    assert not caplog.records, [r.getMessage() for r in caplog.records]
 
 
 @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])

@@ -30,7 +30,7 @@ from agl.policy.engine import SequenceStream
 from agl.policy.grammar import Grammar
 from agl.route.output import OutputAssembler
 from agl.route.rendering import History, Turn, decode
-from agl.route.requests import APIError, ChatCompletionRequest, CompletionRequest
+from agl.route.requests import ChatCompletionRequest, CompletionRequest, disk_full
 from agl.route.tool_calls import ToolCallParser
 from agl.types import Span
 
@@ -114,12 +114,12 @@ class Recorder:
         return turns
 
     async def record(self, call: Call) -> None:
-        """``_record``; a full disk is a 503 to the client (``disk_full``), not a logged server error: the
-        job that owns the store is stopping on the same error (``agl.errors.DiskFull``)."""
+        """``_record``; a full disk is a 503 to the client (``disk_full``): a streamed answer records after its
+        response began, outside the app's handler for it (agl/route/server.py)."""
         try:
             await self._record(call)
         except DiskFull as error:
-            raise APIError(503, f"This call could not be recorded: {error}", "server_error", code="disk_full") from None
+            raise disk_full(error) from None
 
     async def _record(self, call: Call) -> None:
         """One span per choice (same trace_id) for a rollout call; remember chat turns for prefix reuse.

@@ -83,6 +83,12 @@ def conflict(message: str, code: str = "conflict") -> APIError:
     return APIError(409, message, "conflict_error", None, code)
 
 
+def disk_full(error: Exception) -> APIError:
+    """A call the store could not read or record because its disk is full (``agl.errors.DiskFull``): a 503, not a
+    logged server error; the job that owns the store is stopping on the same error."""
+    return APIError(503, f"This call could not be served: {error}", "server_error", code="disk_full")
+
+
 def model_not_found(model: str, served: Sequence[str]) -> APIError:
     """OpenAI's answer to a model name it does not serve; ours also names the ones it does."""
     names = ", ".join(f"'{name}'" for name in served)

@@ -87,6 +87,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agl.config import ServerConfig, check_server_exposure, typed
+from agl.errors import DiskFull
 from agl.policy.engine import SamplingParams
 from agl.policy.grammar import policy_grammar_tokenizer
 from agl.route import structure, tool_prompt
@@ -100,6 +101,7 @@ from agl.route.requests import (
     CompletionRequest,
     bad_request,
     conflict,
+    disk_full,
     error_body,
     model_not_found,
     not_found,
@@ -254,6 +256,11 @@ class ModelServer:
         @app.exception_handler(APIError)
         async def _api_error(request: Request, exc: APIError) -> JSONResponse:
             return JSONResponse(exc.body(), status_code=exc.status)
+
+        @app.exception_handler(DiskFull)  # the store closed under a call (agl/store/db.py): the job is stopping
+        async def _disk_full(request: Request, exc: DiskFull) -> JSONResponse:
+            error = disk_full(exc)
+            return JSONResponse(error.body(), status_code=error.status)
 
         @app.exception_handler(RequestValidationError)
         async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
