@@ -7,6 +7,9 @@ harness a test starts. A forked harness is still a process of its own, in a sess
 killed with -9, it holds its own locks and files, and it resumes a run as a fresh one does. What runs in it
 is harness.py itself, as ``__main__``, with the test's command line, environment and working directory.
 
+A test starts one with ``Forked`` (tests/runs.py's ``harness``) or ``run`` (``subprocess.run``'s shape); a command
+a test's shell runs reaches it through ``ForkService`` (tests/test_doc_examples.py).
+
 What it is not: a fresh interpreter. Tests of what happens before harness.py's first line (the allocator's
 re-exec, a ``/proc/<pid>/cmdline`` that names harness.py, the CUDA lane's settings that must precede
 torch) start ``sys.executable`` as before: ``forkable`` says which.
@@ -17,10 +20,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import io
+import json
 import multiprocessing
 import os
 import runpy
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -192,3 +197,64 @@ def _text(path: Path) -> str:
 def missing_preloads(path: str) -> None:
     """In a forked process: write the ``PRELOAD`` names it does not find imported into ``path``, one a line."""
     Path(path).write_text("".join(f"{name}\n" for name in PRELOAD if name not in sys.modules))
+
+
+class ForkService:
+    """Forked harnesses for the commands a test's shell runs (tests/test_doc_examples.py): a ``python`` put
+    first on ``PATH`` (``bin``) runs ``python <checkout>/harness.py ...`` as tests/fork_client.py, which hands
+    the command line, environment and working directory to this process; the harness is forked here with the
+    client's stdout and stderr (``/proc/<pid>/fd/1`` and ``2``), and the client exits as it did. Every other
+    ``python`` command is the test's python itself. A client that goes away (its shell was killed) takes its
+    harness with it."""
+
+    def __init__(self, where: Path):
+        self.bin, self.address = where / "bin", str(where / "forks.sock")
+        self.bin.mkdir(parents=True)
+        shim = self.bin / "python"
+        client = HARNESS.parent / "tests" / "fork_client.py"
+        shim.write_text(
+            "#!/bin/sh\n"
+            f'if [ "$1" = "{HARNESS}" ] && [ -n "$AGL_TEST_FORKS" ]; then\n'
+            f'    exec "{sys.executable}" -S -E "{client}" "$@"\n'
+            "fi\n"
+            f'exec "{sys.executable}" "$@"\n'
+        )
+        shim.chmod(0o755)
+        context()  # started here, not in a client's thread
+        self._listener = socket.socket(socket.AF_UNIX)
+        self._listener.bind(self.address)
+        self._listener.listen()
+        threading.Thread(target=self._accept, daemon=True, name="agl-fork-service").start()
+
+    def env(self, env: dict) -> dict:
+        """``env`` with this service's ``python`` first on ``PATH``."""
+        return {**env, "PATH": f"{self.bin}{os.pathsep}{env.get('PATH', '')}", "AGL_TEST_FORKS": self.address}
+
+    def close(self) -> None:
+        self._listener.close()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):  # closed
+            while True:
+                conn, _ = self._listener.accept()
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            request = json.loads(conn.makefile("rb").readline())
+            env = {k: v for k, v in request["env"].items() if k != "AGL_TEST_FORKS"}
+            if request["harness"] != str(HARNESS) or not forkable(request["args"], env):
+                conn.sendall(b'{"fresh": true}\n')
+                return
+            pid = request["pid"]
+            proc = Forked(request["args"], env, f"/proc/{pid}/fd/1", f"/proc/{pid}/fd/2", cwd=Path(request["cwd"]))
+            conn.setblocking(False)
+            while proc.poll() is None:
+                with contextlib.suppress(BlockingIOError, ProcessLookupError):
+                    if conn.recv(1) == b"":  # the client is gone
+                        os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(0.2)
+            conn.setblocking(True)
+            with contextlib.suppress(OSError):
+                conn.sendall(json.dumps({"returncode": proc.returncode}).encode() + b"\n")

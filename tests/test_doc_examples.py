@@ -16,7 +16,8 @@ in ``CHECKS`` (files made, lines printed, rewards recorded), and a block without
 
 What the test changes, all of it here and visible:
 - ``python harness.py`` is the checkout's ``harness.py`` run from the reader's directory, with the test's python
-  first on ``PATH``;
+  first on ``PATH``, forked from the test process's forkserver (tests/prefork.py, ``ForkService``: the same
+  harness in a process of its own, less the imports);
 - every harness command that starts a job runs on the tiny random-weight model with the real tokenizer, for one
   step at most: ``TINY`` appends its overrides to the command, by ``algo=`` (``resume=`` and ``report=`` take
   the run's own config and get none);
@@ -40,6 +41,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from prefork import ForkService
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = ["README.md", "docs/getting-started.md"]
@@ -170,6 +173,7 @@ class Reader:
 
     dir: Path
     commands: Commands
+    forks: ForkService
     run_dir: Path | None = None  # the last training job's
     trainings: list[Path] = field(default_factory=list)  # the output files of training jobs (not sweeps), in order
 
@@ -178,7 +182,7 @@ class Reader:
         env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # `python` is the test's python
         env.pop("HYDRA_FULL_ERROR", None)
         env.pop("PYTHONPATH", None)  # the reader's modules come from their directory, nothing else
-        return env
+        return self.forks.env(env)
 
     def substitute(self, text: str) -> str:
         if "<run dir>" in text:
@@ -262,18 +266,21 @@ def test_the_examples_run_and_do_what_they_say(tmp_path):
     training job; then the rest of it, and docs/getting-started.md in a second directory (a second terminal:
     that page makes its own files, and its `<run dir>` is the README's run until it trains one of its own), run
     side by side, each page in its order, so that the two cores are both used."""
-    commands = Commands(tmp_path)
-    readme = Reader(tmp_path / "readme", commands)
-    started = Reader(tmp_path / "getting-started", commands)
+    commands, forks = Commands(tmp_path), ForkService(tmp_path / "forks")
+    readme = Reader(tmp_path / "readme", commands, forks)
+    started = Reader(tmp_path / "getting-started", commands, forks)
     readme.dir.mkdir(), started.dir.mkdir()
     blocks, timings = runnable("README.md"), []
     first_training = next(i for i, block in enumerate(blocks) if "algo=grpo" in block.text and block.language == "bash")
-    readme.run_and_check(blocks[: first_training + 1], timings)
-    started.run_dir = readme.run_dir
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        second = pool.submit(started.run_and_check, runnable("docs/getting-started.md"), timings)
-        readme.run_and_check(blocks[first_training + 1 :], timings)
-        second.result()
+    try:
+        readme.run_and_check(blocks[: first_training + 1], timings)
+        started.run_dir = readme.run_dir
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            second = pool.submit(started.run_and_check, runnable("docs/getting-started.md"), timings)
+            readme.run_and_check(blocks[first_training + 1 :], timings)
+            second.result()
+    finally:
+        forks.close()
     print("\n".join(timings))
 
 

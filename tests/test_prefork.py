@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 
 import prefork
 from runs import ForkedHarness, Harness, finish, harness
@@ -42,3 +43,22 @@ def test_a_forked_harness_is_its_own_process_group_and_dies_by_kill_9(tmp_path):
     assert os.getpgid(proc.pid) == proc.pid != os.getpgid(0)
     os.killpg(proc.pid, signal.SIGKILL)
     assert proc.wait(60) == -signal.SIGKILL
+
+
+def test_a_shell_command_runs_the_harness_forked_with_its_exit_code_and_output(tmp_path):
+    """``python <checkout>/harness.py`` typed in a shell (tests/test_doc_examples.py) goes to the test process's
+    forkserver and comes back as the shell would see the harness: its exit code, its stderr."""
+    forks = prefork.ForkService(tmp_path / "forks")
+    try:
+        env = forks.env({**os.environ, "OMP_NUM_THREADS": "1"})
+        typo = f"python {prefork.HARNESS} modle.path=x; echo exit=$? >&2"
+        result = subprocess.run(
+            ["bash", "-c", typo], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+        )
+        lines = result.stderr.strip().splitlines()
+        assert lines[-1] == "exit=2" and len(lines) == 2 and lines[0].startswith("error: "), result.stderr
+        assert "modle" in lines[0] and result.stdout == ""
+        who = subprocess.run(["bash", "-c", "command -v python"], env=env, capture_output=True, text=True)
+        assert who.stdout.strip() == str(forks.bin / "python")  # the shell's python is the service's
+    finally:
+        forks.close()
