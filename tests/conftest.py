@@ -132,8 +132,9 @@ async def store(path: Path, clock: FakeClock):
     await s.close()
 
 
-# A small finished GRPO run (harness.py in a subprocess): a multi-turn agent through the route, a checkpoint per
-# step. Read-only for its users: a test that damages or extends it works on a copy (shutil.copytree).
+# A small finished GRPO run (harness.py in a process of its own, forked: tests/prefork.py): a multi-turn agent
+# through the route, a checkpoint per step. Read-only for its users: a test that damages or extends it works on a
+# copy (shutil.copytree).
 TINY_GRPO_RUN = [
     "model=tiny",
     "algo=grpo",

@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 from prefork import Forked, forkable
 
@@ -72,7 +73,7 @@ class Output:
     a pipe: a test that waits on something else would not read the pipe, and a full pipe stops every process
     writing to it (a loaded machine makes more warnings: the wait would be forever)."""
 
-    log: tempfile._TemporaryFileWrapper
+    log: IO[str]  # a NamedTemporaryFile's
 
     def output(self) -> str:
         return Path(self.log.name).read_text(errors="replace")
@@ -121,7 +122,7 @@ def harness(
     return (ForkedHarness if forkable(args, environ) and not fresh else Harness)(list(args), environ)
 
 
-def finish(proc: subprocess.Popen, timeout: float = 300) -> str:
+def finish(proc: Output, timeout: float = 300) -> str:
     out, _ = proc.communicate(timeout=timeout)
     assert proc.returncode == 0, out[-3000:]
     return out
