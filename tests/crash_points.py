@@ -6,9 +6,10 @@ with ``AGL_TEST_KILL`` set it patches that process:
   ``rollout``     dies inside the first rollout this process runs, after its first LLM call;
   ``update``      dies right after the first GRPO update of this process changed the LoRA
                   in memory, before the policy version moves or anything is saved;
-  ``update:N``    the same, after the GRPO update that is its optimizer's N-th step (a restored
-                  optimizer counts the steps it was saved after): the next process resumes from
-                  the checkpoint before it, restoring an optimizer with state;
+  ``update:N``    the same, after the first GRPO update that leaves its optimizer N or more steps
+                  taken (a restored optimizer counts the steps it was saved after; a GRPO step
+                  whose groups were all dropped takes none): the next process resumes from the
+                  checkpoint before it, restoring an optimizer with state;
   ``checkpoint``  dies inside the first checkpoint transaction, after its rows are written
                   and before COMMIT;
   ``eval_rows:N`` dies right after this process kept its N-th row in the eval cache

@@ -54,7 +54,6 @@ PRELOAD = [
     "matplotlib.pyplot",
     "safetensors.torch",
     "llguidance",
-    "pytest",  # what a child of `python -m pytest` imports first: pytest's __main__ (multiprocessing runs it)
 ]
 # Left out: agl's own modules past its package (about 1 s). Some read the environment when imported
 # (agl/jobs/launchers.py reads OMP_NUM_THREADS), and a forked harness must read the test's.
@@ -96,18 +95,20 @@ def context() -> multiprocessing.context.ForkServerContext:
 
 def _forked_main(args: list[str], env: dict, cwd: str, stdout: str, stderr: str) -> None:
     """In the forked process: become ``cd cwd && env python harness.py *args >stdout 2>stderr`` started in a
-    session of its own, then run harness.py as ``__main__``. Its ``sys.exit`` is this process's exit code."""
+    session of its own, run harness.py as ``__main__``, and end as that interpreter would: its exit code (minus
+    the signal of a Ctrl-C it did not handle), its threads joined, then its atexit handlers."""
     os.setsid()
     for fd, path in ((1, stdout), (2, stderr)):
         target = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(target, fd)
         os.close(target)
-    # PYTHONUNBUFFERED's streams: a harness killed with -9 has written all it printed
+    # unbuffered, as under PYTHONUNBUFFERED=1: a harness killed with -9 has written all it printed
     sys.stdout = sys.__stdout__ = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
     sys.stderr = sys.__stderr__ = io.TextIOWrapper(
         io.FileIO(2, "w", closefd=False), write_through=True, errors="backslashreplace"
     )
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a fresh interpreter (the forkserver ignores it)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, as `python harness.py` in a shell has
+    multiprocessing.set_start_method(None, force=True)  # the platform's default again, not this forkserver
     os.chdir(cwd)
     preload = os.environ.get("LD_PRELOAD")
     os.environ.clear()
@@ -117,13 +118,30 @@ def _forked_main(args: list[str], env: dict, cwd: str, stdout: str, stderr: str)
     # sys.path as `python harness.py` has it: the script's dir, PYTHONPATH's entries, then the interpreter's own
     # (not the test process's additions, such as tests/)
     front = [str(HARNESS.parent), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
-    own = [p for p in sys.path if p not in front and p.startswith((sys.prefix, sys.base_prefix))]
+    prefixes = {Path(sys.prefix), Path(sys.base_prefix)}
+    own = [p for p in sys.path if p not in front and any(Path(p).is_relative_to(x) for x in prefixes)]
     sys.path[:] = front + own
     sys.argv = [str(HARNESS), *args]
+    sys.orig_argv = [sys.executable, *sys.argv]  # what a re-exec runs (agl/memory.py, preload_allocator)
+    code, interrupted = 0, False
     try:
         runpy.run_path(str(HARNESS), run_name="__main__")
-    finally:
-        atexit._run_exitfuncs()  # an interpreter's exit runs them; a multiprocessing child's does not
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            code = exit_.code or 0
+        else:
+            print(exit_.code, file=sys.stderr)
+            code = 1
+    except BaseException as error:
+        sys.excepthook(type(error), error, error.__traceback__)
+        code, interrupted = 1, isinstance(error, KeyboardInterrupt)
+    threading._shutdown()  # as an interpreter ends: its threads joined, then its atexit handlers
+    atexit._run_exitfuncs()
+    sys.stdout.flush(), sys.stderr.flush()
+    if interrupted:  # Python's own exit for an unhandled Ctrl-C: killed by SIGINT
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+    os._exit(code)
 
 
 class Forked:
@@ -137,6 +155,9 @@ class Forked:
             target=_forked_main, args=(list(args), dict(env), str(cwd), stdout, stderr), name="harness"
         )
         self._process.start()
+        # not joined by multiprocessing when this test process exits: a harness a failed test left running is an
+        # orphan, as a Popen one is, not a wait without end
+        multiprocessing.process._children.discard(self._process)
         self.pid = self._process.pid
         self.returncode: int | None = None
         self._await_session()
@@ -231,6 +252,8 @@ class ForkService:
         return {**env, "PATH": f"{self.bin}{os.pathsep}{env.get('PATH', '')}", "AGL_TEST_FORKS": self.address}
 
     def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread in accept()
         self._listener.close()
 
     def _accept(self) -> None:

@@ -75,6 +75,10 @@ class Output:
 
     log: IO[str]  # a NamedTemporaryFile's
 
+    def _open_log(self) -> str:
+        self.log = tempfile.NamedTemporaryFile("w+", dir=LOGS, suffix=".log", delete=False)
+        return self.log.name
+
     def output(self) -> str:
         return Path(self.log.name).read_text(errors="replace")
 
@@ -87,7 +91,7 @@ class Harness(Output, subprocess.Popen):
     """``python harness.py`` in a fresh interpreter (what tests/prefork.py cannot fork)."""
 
     def __init__(self, args: list[str], env: dict):
-        self.log = tempfile.NamedTemporaryFile("w+", dir=LOGS, suffix=".log", delete=False)
+        self._open_log()
         command = [sys.executable, "harness.py", *args]
         super().__init__(command, cwd=ROOT, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -96,8 +100,8 @@ class ForkedHarness(Output, Forked):
     """``python harness.py`` forked from this test process's forkserver (tests/prefork.py)."""
 
     def __init__(self, args: list[str], env: dict):
-        self.log = tempfile.NamedTemporaryFile("w+", dir=LOGS, suffix=".log", delete=False)
-        super().__init__(args, env, stdout=self.log.name, stderr=self.log.name)
+        log = self._open_log()
+        super().__init__(args, env, stdout=log, stderr=log)
 
 
 def harness(

@@ -78,8 +78,7 @@ def test_summary_table_csv_and_plot(tmp_path):
 
 def _sweep(cwd, pythonpath):
     """A 2-job sweep on the basic launcher (one job after the other, in this command's process, forked:
-    tests/prefork.py): one GRPO
-    step of 2 rollouts each, and one eval task before and after."""
+    tests/prefork.py): one GRPO step of 2 rollouts each, and one eval task before and after."""
     args = [
         "-m",
         "model=tiny",

@@ -119,7 +119,7 @@ class Recorder:
         try:
             await self._record(call)
         except DiskFull as error:
-            raise disk_full(error) from None
+            raise disk_full(error, "recorded") from None
 
     async def _record(self, call: Call) -> None:
         """One span per choice (same trace_id) for a rollout call; remember chat turns for prefix reuse.

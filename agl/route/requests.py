@@ -83,10 +83,11 @@ def conflict(message: str, code: str = "conflict") -> APIError:
     return APIError(409, message, "conflict_error", None, code)
 
 
-def disk_full(error: Exception) -> APIError:
+def disk_full(error: Exception, done: str = "served") -> APIError:
     """A call the store could not read or record because its disk is full (``agl.errors.DiskFull``): a 503, not a
-    logged server error; the job that owns the store is stopping on the same error."""
-    return APIError(503, f"This call could not be served: {error}", "server_error", code="disk_full")
+    logged server error; the job that owns the store is stopping on the same error. ``done``: what could not be
+    done with the call (a streamed answer already delivered could not be "recorded")."""
+    return APIError(503, f"This call could not be {done}: {error}", "server_error", code="disk_full")
 
 
 def model_not_found(model: str, served: Sequence[str]) -> APIError:
