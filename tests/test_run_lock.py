@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-import prefork
+from conftest import run_harness
 
 from agl.jobs.run_lock import holding_run_dir
 
@@ -42,11 +42,6 @@ NOISE = ("Traceback", "Warning", "warnings.warn")  # a normal run's log carries 
 
 def env(**extra: str) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT / "tests"), **extra}
-
-
-def harness(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python harness.py *args``, forked (tests/prefork.py): a process of its own, which takes its own lock."""
-    return prefork.run(list(args), env(), timeout)
 
 
 def wait_for(predicate, timeout: float = 120, what: str = "") -> None:
@@ -78,7 +73,7 @@ def test_a_second_harness_on_a_live_run_is_refused_and_a_killed_ones_run_is_take
         wait_for(lambda: 0 in metric_steps(run_dir) or first.poll() is not None, what="the first job's step 0")
         assert first.poll() is None, first.stdout.read()[-3000:]
 
-        second = harness(f"resume={run_dir}", timeout=120)
+        second = run_harness(f"resume={run_dir}", timeout=120)
         assert second.returncode == 2, second.stdout + second.stderr
         [line] = second.stderr.strip().splitlines()
         assert line.startswith(f"error: {run_dir} is held by a live job (pid {first.pid}: harness.py "), line
@@ -88,7 +83,7 @@ def test_a_second_harness_on_a_live_run_is_refused_and_a_killed_ones_run_is_take
         os.killpg(first.pid, signal.SIGKILL)
         first.wait(30)
 
-    third = harness(f"resume={run_dir}")
+    third = run_harness(f"resume={run_dir}")
     assert third.returncode == 0, third.stderr[-3000:]
     assert (
         f"continuing {run_dir} (status was running; its job, pid {first.pid}, is gone) from its store" in third.stdout
@@ -104,7 +99,7 @@ def test_a_sweep_skips_a_job_dir_another_process_holds(tmp_path):
     sweep = tmp_path / "sweep"
     held = sweep / "job0"
     with holding_run_dir(held):  # this test's process holds job 0, as a live job of another sweep would
-        result = harness(
+        result = run_harness(
             "-m", *TINY_GRPO, "seed=1,2", f"hydra.sweep.dir={sweep}", "hydra.sweep.subdir=job${hydra.job.num}"
         )
     assert result.returncode == 0, result.stderr[-3000:]

@@ -259,8 +259,7 @@ class ModelServer:
 
         @app.exception_handler(DiskFull)  # the store closed under a call (agl/store/db.py): the job is stopping
         async def _disk_full(request: Request, exc: DiskFull) -> JSONResponse:
-            error = disk_full(exc)
-            return JSONResponse(error.body(), status_code=error.status)
+            return await _api_error(request, disk_full(exc))
 
         @app.exception_handler(RequestValidationError)
         async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
