@@ -73,6 +73,8 @@ def test_runner_processes_run_the_same_job_and_stopping_any_process_costs_nothin
     try:
         # kill -9 one of the job's runner processes while it runs rollouts
         victim = wait_for(busy_runner, "a busy runner process")
+        # it runs agents and HTTP calls: torch would cost each runner process seconds and hundreds of MiB
+        assert not [m.path for m in psutil.Process(victim).memory_maps() if "libtorch" in m.path]
         os.kill(victim, signal.SIGKILL)
         # one started by hand joins; Ctrl-C while it runs rollouts hands them back
         by_hand = harness("algo=runner", f"attach={run_dir}", "runner.n=4", env=SLOW)

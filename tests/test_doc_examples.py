@@ -340,6 +340,7 @@ def trained(ran: Ran, reader: Reader, metric: str) -> Path:
     assert status_of(run_dir) == "succeeded"
     for name in ("report.md", "curves.png", "adapter/adapter_model.safetensors", "store.sqlite"):
         assert (run_dir / name).is_file(), name
+    assert re.search(r"^\| status\s+\| succeeded\s+\|", (run_dir / "report.md").read_text(), flags=re.M)
     assert f"resume:  python harness.py resume={run_dir}" in out
     rows = metrics_of(run_dir)
     assert [row["step"] for row in rows] == [-1, 0] and rows[-1]["rollouts_failed"] == 0, rows

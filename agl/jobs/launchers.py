@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -146,13 +147,18 @@ def thread_count(cfg: DictConfig, hydra_cfg: Any | None) -> tuple[int, str]:
 
 
 def apply_threads(cfg: DictConfig, hydra_cfg: Any | None) -> int:
-    """Limit this job's torch threads, and its child processes' OpenMP/BLAS threads; the count."""
-    import torch
+    """Limit this job's torch threads, and its child processes' OpenMP/BLAS threads; the count.
 
+    torch is not imported here: a runner process runs agents and HTTP calls, and importing torch
+    would cost it seconds and hundreds of MiB. A torch imported later (the model's, or an agent's)
+    reads its count from ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``, set here; one already imported
+    (the second job of a sweep in this process) is told directly."""
     threads, why = thread_count(cfg, hydra_cfg)
-    torch.set_num_threads(threads)
-    for name in THREAD_ENV:  # for runner processes and anything else this job starts
+    for name in THREAD_ENV:  # this process's torch, when it loads, and the processes this job starts
         os.environ[name] = str(threads)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(threads)
     log.info("torch threads: %d (%s); malloc: %s", threads, why, active_allocator())
     return threads
 

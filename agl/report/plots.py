@@ -6,11 +6,6 @@ import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only: no display on a training box
-import matplotlib.pyplot as plt  # noqa: E402
-
 PANELS = [
     ("reward", ["reward_mean"]),
     ("eval", ["eval/reward", "eval/correct", "eval/format", "eval/says_identity"]),
@@ -42,7 +37,12 @@ def draw_panels(runs: dict[str, Sequence[dict]], out: Path, panels: Iterable[tup
     ]
     if not panels:
         return out
-    fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2.6 * len(panels)), squeeze=False)
+    # matplotlib's object API, imported here: no pyplot state, no backend to choose (PNG files only), and
+    # a process that draws nothing (a runner process, a job until it ends) does not load matplotlib
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 2.6 * len(panels)))
+    axes = fig.subplots(len(panels), 1, squeeze=False)
     for ax, (title, keys) in zip(axes[:, 0], panels):
         for run, rows in runs.items():
             for key in keys:
@@ -56,7 +56,6 @@ def draw_panels(runs: dict[str, Sequence[dict]], out: Path, panels: Iterable[tup
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out, dpi=90)
-    plt.close(fig)
     return out
 
 

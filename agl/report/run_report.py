@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sqlite3
 from pathlib import Path
 
@@ -186,6 +187,9 @@ def _run_section(run_dir: Path, data: dict, rows: list[dict]) -> str:
 
         config = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml"))
     status = read_status(run_dir)
+    if status and status.get("status") == "running" and status.get("pid") == os.getpid():
+        # the job writing report.md as it ends (agl.jobs.ending): its work is done, and status.json says so next
+        status = {**status, "status": "succeeded"}
     algo, task, model = config.get("algo") or {}, config.get("task") or {}, config.get("model") or {}
     checkpoints = data["checkpoints"]
     calls, tokens, latency = data["llm_calls"]
