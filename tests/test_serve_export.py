@@ -1,11 +1,11 @@
 """``algo=serve`` (the trained policy on the route, calls recorded) and ``algo=export`` (merged HF dir + GGUF).
 
-Serve runs as users run it, ``python harness.py ...`` in a subprocess, called with the stock
-``openai`` client and stopped with SIGTERM; its refusals (a port in use, an adapter that is not there)
-are ``ConfigError``s of the same job run in this process (``agl.run``; tests/test_harness.py runs the
-command line's one-line error). Export runs in this process too, on the tiny model with a random
-adapter, and what it wrote is loaded by plain transformers (HF dir, and the GGUF through
-``gguf_file=``) and compared with the agl policy on a few chat prompts:
+Serve runs as users run it, ``python harness.py ...`` in a process of its own (forked: tests/runs.py),
+called with the stock ``openai`` client and stopped with SIGTERM; its refusals (a port in use, an
+adapter that is not there) are ``ConfigError``s of the same job run in this process (``agl.run``;
+tests/test_harness.py runs the command line's one-line error). Export runs in this process too, on
+the tiny model with a random adapter, and what it wrote is loaded by plain transformers (HF dir, and
+the GGUF through ``gguf_file=``) and compared with the agl policy on a few chat prompts:
 
   - against the same adapter on an unquantized policy (``model.quantization=none``): the export
     must match to 1e-4 in every logit (measured <1e-6: the merge itself);
@@ -20,12 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
 import socket
-import subprocess
-import sys
-import threading
+import time
 from pathlib import Path
 
 import openai
@@ -33,6 +30,7 @@ import pytest
 import torch
 from gguf_once import parsed_once
 from omegaconf import OmegaConf
+from runs import harness
 
 import agl
 from agl.errors import ConfigError
@@ -52,19 +50,6 @@ PROMPTS = [
 ]
 
 
-def harness_process(tmp_path: Path, *overrides: str) -> subprocess.Popen:
-    environ = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
-    environ["OMP_NUM_THREADS"] = "1"
-    return subprocess.Popen(
-        [sys.executable, "harness.py", *overrides, f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=ROOT,
-        env=environ,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -76,23 +61,19 @@ def free_port() -> int:
 
 def test_serve_answers_the_openai_client_records_each_call_and_stops_on_sigterm(tmp_path):
     port = free_port()
-    proc = harness_process(tmp_path, "model=tiny", "algo=serve", f"server.port={port}")
-    lines: list[str] = []
-    started = threading.Event()
+    run_dir = tmp_path / "run"
+    proc = harness("model=tiny", "algo=serve", f"server.port={port}", f"hydra.run.dir={run_dir}")
 
-    def read() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("serving "):
-                started.set()
-        started.set()  # the process ended: let the test see why
+    def banner() -> str | None:
+        return next((line for line in proc.output().splitlines() if line.startswith("serving ")), None)
 
-    threading.Thread(target=read, daemon=True).start()
     try:
-        assert started.wait(120) and proc.poll() is None, "".join(lines)
-        [banner] = [line for line in lines if line.startswith("serving ")]
-        base_url = banner.split()[1]
-        assert base_url == f"http://127.0.0.1:{port}/v1" and "model 'tiny'" in banner, banner
+        deadline = time.monotonic() + 120
+        while banner() is None and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert banner() and proc.poll() is None, proc.output()[-3000:]
+        base_url = banner().split()[1]
+        assert base_url == f"http://127.0.0.1:{port}/v1" and "model 'tiny'" in banner(), banner()
 
         client = openai.OpenAI(base_url=base_url, api_key="agl")
         reply = client.chat.completions.create(
@@ -101,18 +82,18 @@ def test_serve_answers_the_openai_client_records_each_call_and_stops_on_sigterm(
         stream = client.chat.completions.create(model="tiny", messages=PROMPTS[1], max_tokens=8, stream=True)
         streamed = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, "".join(lines)
+        assert proc.wait(60) == 0, proc.output()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    output = "".join(lines)
+    output = proc.output()
     assert "Traceback" not in output and "stopped; 2 calls recorded" in output, output
-    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "succeeded" and status["result"]["recorded_calls"] == 2
 
     async def recorded() -> list:
-        store = SqliteStore.open_readonly(tmp_path / "run" / "store.sqlite")
+        store = SqliteStore.open_readonly(run_dir / "store.sqlite")
         try:
             rollouts = await store.query_rollouts()
             return [(r, await store.query_spans(r.rollout_id)) for r in rollouts]
