@@ -4,6 +4,9 @@ model and against one reference job, by McNemar's exact test (agl.eval.stats), w
     PYTHONPATH=. .venv/bin/python bench/paired_sweep.py <sweep dir> --vary algo.loss_type --reference grpo \
         --score says_identity --score reward --out bench/results/loss_sweep.md
 
+``--samples N`` adds, for each job against the reference, up to N of the tasks they score differently, with both
+final replies.
+
 Reads each job's store (read-only) and metrics.jsonl; loads no model. The final eval is the one
 tagged with the job's last ``eval_step``; the base model's is ``eval_step`` 0. Jobs are grouped by
 everything in their dir name except ``--vary`` (e.g. the task), and compared within a group.
@@ -17,30 +20,41 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from agl.eval.evaluate import rollout_scores
+from agl.eval.evaluate import score_and_reply
 from agl.eval.stats import paired_change, wilson_interval
 from agl.report.tables import markdown_table
 from agl.store import SqliteStore
 
 
-async def final_and_base(job: Path, names: list[str]) -> tuple[dict, dict, list[float]]:
-    """({task_id: score} of the final eval, of the baseline, each RL step's mean training reward);
-    the score is the first of ``names`` the evals have."""
-    store = SqliteStore.open_readonly(job / "store.sqlite")
-    try:
-        tagged = [r for r in await store.query_rollouts() if "eval_step" in (r.metadata or {})]
-        last = max(r.metadata["eval_step"] for r in tagged)
+class Job:
+    """What a job's store and metrics.jsonl say about its evals (read-only; the score is the first of ``names``
+    the evals have; a failed rollout scores 0, as eval/ counts it)."""
 
-        async def scores(step: int) -> dict:
-            rows = await rollout_scores(store, [r for r in tagged if r.metadata["eval_step"] == step])
-            score = next(n for n in names if any(n in row for row in rows))
-            return {row["task_id"]: float(row.get(score, 0.0)) for row in rows}  # failed: 0, as eval/ counts it
+    def __init__(self, final: dict, base: dict, train: list[float], replies: dict):
+        self.final, self.base, self.train = final, base, train  # {task_id: score}, and each RL step's reward
+        self.replies = replies  # {task_id: (the task's input, the final eval's reply)}
 
-        final, base = await scores(last), await scores(0)
-    finally:
-        await store.close()
-    rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
-    return final, base, [r["reward_mean"] for r in rows if "reward_mean" in r]  # the RL steps' training rewards
+    @classmethod
+    async def read(cls, job: Path, names: list[str]) -> Job:
+        store = SqliteStore.open_readonly(job / "store.sqlite")
+        try:
+            tagged = [r for r in await store.query_rollouts() if "eval_step" in (r.metadata or {})]
+            last = max(r.metadata["eval_step"] for r in tagged)
+
+            async def scores(step: int) -> tuple[dict, dict]:
+                rollouts = [r for r in tagged if r.metadata["eval_step"] == step]
+                rows = [await score_and_reply(store, r) for r in rollouts]
+                score = next(n for n in names if any(n in row for row, _ in rows))
+                return (
+                    {row["task_id"]: float(row.get(score, 0.0)) for row, _ in rows},
+                    {row["task_id"]: (r.input, reply) for r, (row, reply) in zip(rollouts, rows)},
+                )
+
+            (final, replies), (base, _) = await scores(last), await scores(0)
+        finally:
+            await store.close()
+        rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+        return cls(final, base, [r["reward_mean"] for r in rows if "reward_mean" in r], replies)
 
 
 def rate(scores: dict) -> str:
@@ -54,6 +68,28 @@ def change(before: dict, after: dict) -> str:
     return f"+{c['gained']} −{c['lost']}, p = {c['p']:.2g}"
 
 
+def quoted(text: object, limit: int = 600) -> str:
+    text = text if isinstance(text, str) else json.dumps(text)
+    text = text if len(text) <= limit else text[:limit] + " …"
+    return "\n".join("> " + line for line in text.splitlines() or [""])
+
+
+def differing_samples(ref_name: str, reference: Job, name: str, job: Job, n: int) -> str:
+    """Up to ``n`` tasks the two final evals score differently (those ``job`` gained first), with both replies."""
+    differ = [t for t in job.final if t in reference.final and (job.final[t] >= 1) != (reference.final[t] >= 1)]
+    differ.sort(key=lambda t: (job.final[t] < 1, str(t)))
+    lines = [f"### `{name}` against `{ref_name}`: {min(n, len(differ))} of the {len(differ)} tasks they differ on\n"]
+    for task in differ[:n]:
+        task_input, reply = job.replies[task]
+        question = task_input.get("question", task_input) if isinstance(task_input, dict) else task_input
+        lines.append(f"#### {task}\n\n{quoted(question)}\n")
+        for label, which in ((ref_name, reference), (name, job)):
+            lines.append(
+                f"`{label}` (score {which.final[task]:g}):\n\n{quoted(which.replies[task][1] or '(no reply)')}\n"
+            )
+    return "\n".join(lines)
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sweep", type=Path)
@@ -61,6 +97,9 @@ async def main() -> None:
     parser.add_argument("--reference", required=True, help="its value the others are compared with, e.g. grpo")
     parser.add_argument(
         "--score", action="append", default=[], help="a 0/1 score of the evals (repeat: the first a task has)"
+    )
+    parser.add_argument(
+        "--samples", type=int, default=0, help="show up to N tasks each job and the reference differ on"
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
@@ -72,20 +111,20 @@ async def main() -> None:
 
     out = [f"# {args.sweep.name}: final greedy evals by `{args.vary}`, paired on the same tasks\n"]
     for group, jobs in groups.items():
-        results = {value: await final_and_base(job, args.score or ["reward"]) for value, job in jobs.items()}
+        results = {value: await Job.read(job, args.score or ["reward"]) for value, job in jobs.items()}
         reference = results.get(args.reference)
         rows = []
-        for value, (final, base, train) in sorted(results.items()):
+        for value, job in sorted(results.items()):
             rows.append(
                 [
                     f"`{value}`",
-                    len(final),
-                    rate(base),
-                    rate(final),
-                    change(base, final),
-                    change(reference[0], final) if reference and value != args.reference else "",
-                    f"{sum(train) / len(train):.3f} ({len(train)} steps)" if train else "",
-                    " ".join(f"{r:.2f}" for r in train[:10]),
+                    len(job.final),
+                    rate(job.base),
+                    rate(job.final),
+                    change(job.base, job.final),
+                    change(reference.final, job.final) if reference and value != args.reference else "",
+                    f"{sum(job.train) / len(job.train):.3f} ({len(job.train)} steps)" if job.train else "",
+                    " ".join(f"{r:.2f}" for r in job.train[:10]),
                 ]
             )
         out.append(f"## {group}\n")
@@ -105,6 +144,9 @@ async def main() -> None:
             )
         )
         out.append("")
+        for value, job in sorted(results.items()):
+            if reference and value != args.reference and args.samples:
+                out.append(differing_samples(args.reference, reference, value, job, args.samples))
     text = "\n".join(out)
     print(text)
     if args.out:
