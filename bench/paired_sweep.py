@@ -20,7 +20,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
-from agl.eval.evaluate import score_and_reply
+# private, and not renamed for this script: evaluate.py's bytes are part of every eval-cache key (agl/eval/cache.py)
+from agl.eval.evaluate import _score_and_reply as score_and_reply
 from agl.eval.stats import paired_change, wilson_interval
 from agl.report.tables import markdown_table
 from agl.store import SqliteStore
@@ -103,15 +104,17 @@ async def main() -> None:
     )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.samples < 0:
+        parser.error("--samples: a count of tasks, 0 or more")
 
     groups: dict[str, dict[str, Path]] = defaultdict(dict)
-    for job in sorted(p for p in args.sweep.iterdir() if (p / "store.sqlite").exists()):
-        parts = dict(part.split("-", 1) for part in job.name.split("+"))
-        groups["+".join(f"{k}-{v}" for k, v in parts.items() if k != args.vary)][parts[args.vary]] = job
+    for path in sorted(p for p in args.sweep.iterdir() if (p / "store.sqlite").exists()):
+        parts = dict(part.split("-", 1) for part in path.name.split("+"))
+        groups["+".join(f"{k}-{v}" for k, v in parts.items() if k != args.vary)][parts[args.vary]] = path
 
     out = [f"# {args.sweep.name}: final greedy evals by `{args.vary}`, paired on the same tasks\n"]
     for group, jobs in groups.items():
-        results = {value: await Job.read(job, args.score or ["reward"]) for value, job in jobs.items()}
+        results = {value: await Job.read(path, args.score or ["reward"]) for value, path in jobs.items()}
         reference = results.get(args.reference)
         rows = []
         for value, job in sorted(results.items()):

@@ -51,7 +51,7 @@ PRELOAD = [
     "uvicorn",
     "httpx",
     "openai",
-    "matplotlib.pyplot",
+    "matplotlib.figure",
     "safetensors.torch",
     "llguidance",
 ]

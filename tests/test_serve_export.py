@@ -38,7 +38,6 @@ from agl.jobs.gguf import check_gguf_support
 from agl.policy.load import load_policy
 from agl.store import SqliteStore
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [
     [{"role": "user", "content": "What is 17 * 23?"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour, then 1234 and 56."}],
@@ -62,18 +61,19 @@ def free_port() -> int:
 def test_serve_answers_the_openai_client_records_each_call_and_stops_on_sigterm(tmp_path):
     port = free_port()
     run_dir = tmp_path / "run"
-    proc = harness("model=tiny", "algo=serve", f"server.port={port}", f"hydra.run.dir={run_dir}")
+    serve = ("model=tiny", "algo=serve", f"server.port={port}", f"hydra.run.dir={run_dir}")
+    proc = harness(*serve, device="auto", env={"OMP_NUM_THREADS": "1"})  # on a GPU, the GPU (then not forked)
 
     def banner() -> str | None:
         return next((line for line in proc.output().splitlines() if line.startswith("serving ")), None)
 
     try:
         deadline = time.monotonic() + 120
-        while banner() is None and proc.poll() is None and time.monotonic() < deadline:
+        while (line := banner()) is None and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert banner() and proc.poll() is None, proc.output()[-3000:]
-        base_url = banner().split()[1]
-        assert base_url == f"http://127.0.0.1:{port}/v1" and "model 'tiny'" in banner(), banner()
+        assert line and proc.poll() is None, proc.output()[-3000:]
+        base_url = line.split()[1]
+        assert base_url == f"http://127.0.0.1:{port}/v1" and "model 'tiny'" in line, line
 
         client = openai.OpenAI(base_url=base_url, api_key="agl")
         reply = client.chat.completions.create(

@@ -26,10 +26,10 @@ from agl.types import Rollout, RolloutStatus
 async def rollout_scores(store: Any, rollouts: Sequence[Rollout]) -> list[dict]:
     """One row per rollout: its status, final reward and metrics (from its latest attempt's spans, or, for a
     row the eval cache supplied, from its metadata's ``cached``; then the row says which kind it is)."""
-    return [(await score_and_reply(store, rollout))[0] for rollout in rollouts]
+    return [(await _score_and_reply(store, rollout))[0] for rollout in rollouts]
 
 
-async def score_and_reply(store: Any, rollout: Rollout) -> tuple[dict, str | None]:
+async def _score_and_reply(store: Any, rollout: Rollout) -> tuple[dict, str | None]:
     """A rollout's score row, and the policy's last reply in it (what the eval cache keeps for report.md)."""
     metadata = rollout.metadata or {}
     row: dict[str, Any] = {
@@ -266,7 +266,7 @@ async def _keep_rows(store: Any, entry: CacheEntry, split: str | None, ended: Se
         metadata = rollout.metadata or {}
         if rollout.status != RolloutStatus.SUCCEEDED or "cached" in metadata:
             continue
-        row, reply = await score_and_reply(store, rollout)
+        row, reply = await _score_and_reply(store, rollout)
         score = {k: v for k, v in row.items() if k not in ("rollout_id", "status", "task_id")}
         key = row_key(split, rollout.input, metadata.get("try", 0))
         entry.write(key, task_id=row["task_id"], attempt=metadata.get("try", 0), score=score, reply=reply)

@@ -115,7 +115,7 @@ def run_job(cfg: DictConfig) -> object:
     if cfg.get("attach") and name != "runner":
         raise ConfigError(f"attach= joins a running job as a runner process: use it with algo=runner, not algo={name}")
     threads = apply_threads(
-        cfg, HydraConfig.get() if multirun else None
+        cfg, HydraConfig.get() if multirun else None, loads_torch=name != "runner"
     )  # jobs x threads <= cores (agl/jobs/launchers.py)
     config = to_typed(cfg)  # the one conversion: below here, every part takes its typed section
     if name not in ("info", "runner", "export"):  # the jobs that serve the route: refused before the model loads

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -146,18 +145,18 @@ def thread_count(cfg: DictConfig, hydra_cfg: Any | None) -> tuple[int, str]:
     return setting, "threads setting"
 
 
-def apply_threads(cfg: DictConfig, hydra_cfg: Any | None) -> int:
+def apply_threads(cfg: DictConfig, hydra_cfg: Any | None, loads_torch: bool = True) -> int:
     """Limit this job's torch threads, and its child processes' OpenMP/BLAS threads; the count.
 
-    torch is not imported here: a runner process runs agents and HTTP calls, and importing torch
-    would cost it seconds and hundreds of MiB. A torch imported later (the model's, or an agent's)
-    reads its count from ``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS``, set here; one already imported
-    (the second job of a sweep in this process) is told directly."""
+    ``loads_torch=False`` (a runner process: agents and HTTP calls) leaves torch unimported, which would cost
+    it seconds and hundreds of MiB: the variables are set, and a torch an agent imports later reads its count
+    from them (without what ``set_num_threads`` also does: MKL's dynamic mode off, torch's own pools sized)."""
     threads, why = thread_count(cfg, hydra_cfg)
-    for name in THREAD_ENV:  # this process's torch, when it loads, and the processes this job starts
+    for name in THREAD_ENV:  # for runner processes and anything else this job starts
         os.environ[name] = str(threads)
-    torch = sys.modules.get("torch")
-    if torch is not None:
+    if loads_torch:
+        import torch
+
         torch.set_num_threads(threads)
     log.info("torch threads: %d (%s); malloc: %s", threads, why, active_allocator())
     return threads

@@ -38,7 +38,7 @@ def draw_panels(runs: dict[str, Sequence[dict]], out: Path, panels: Iterable[tup
     if not panels:
         return out
     # matplotlib's object API, imported here: no pyplot state, no backend to choose (PNG files only), and
-    # a process that draws nothing (a runner process, a job until it ends) does not load matplotlib
+    # a process that draws nothing (a runner process) does not load matplotlib
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(8, 2.6 * len(panels)))

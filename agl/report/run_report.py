@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sqlite3
 from pathlib import Path
 
@@ -55,13 +54,15 @@ def report(target: str | Path) -> dict:
     raise ConfigError(f"report='{target}' is neither a run dir (no store.sqlite) nor a sweep dir (no job dirs)")
 
 
-def report_run(run_dir: Path, echo: bool = True) -> dict:
+def report_run(run_dir: Path, echo: bool = True, status: str | None = None) -> dict:
+    """Write (and with ``echo`` print) report.md and curves.png from a run dir's files. ``status``: the run's
+    status when the caller knows it better than status.json (a job writing its report as it ends)."""
     data = _read_store(run_dir / "store.sqlite")
     rows = read_metrics(run_dir / "metrics.jsonl")
     if not rows and data["metrics"]:  # no metrics.jsonl (e.g. deleted): the store has them too
         rows = [{"step": step, **values} for step, values in sorted(data["metrics"].items())]
     sections = [
-        ("run", _run_section(run_dir, data, rows)),
+        ("run", _run_section(run_dir, data, rows, status)),
         ("best step", _best_section(rows)),
         ("reward and accuracy by step", _by_step_section(rows, data["step_summary"])),
         *([("change against the base model", vs)] if (vs := _vs_base_section(rows)) else []),
@@ -180,16 +181,15 @@ def _snapshot(conn: sqlite3.Connection) -> dict:
     return data
 
 
-def _run_section(run_dir: Path, data: dict, rows: list[dict]) -> str:
+def _run_section(run_dir: Path, data: dict, rows: list[dict], status_now: str | None) -> str:
     config = data.get("config") or {}
     if not config and (run_dir / ".hydra" / "config.yaml").is_file():
         from omegaconf import OmegaConf
 
         config = OmegaConf.to_container(OmegaConf.load(run_dir / ".hydra" / "config.yaml"))
     status = read_status(run_dir)
-    if status and status.get("status") == "running" and status.get("pid") == os.getpid():
-        # the job writing report.md as it ends (agl.jobs.ending): its work is done, and status.json says so next
-        status = {**status, "status": "succeeded"}
+    if status and status_now:
+        status = {**status, "status": status_now}
     algo, task, model = config.get("algo") or {}, config.get("task") or {}, config.get("model") or {}
     checkpoints = data["checkpoints"]
     calls, tokens, latency = data["llm_calls"]
