@@ -76,11 +76,18 @@ def quoted(text: object, limit: int = 600) -> str:
 
 
 def differing_samples(ref_name: str, reference: Job, name: str, job: Job, n: int) -> str:
-    """Up to ``n`` tasks the two final evals score differently (those ``job`` gained first), with both replies."""
+    """Up to ``n`` tasks the two final evals score differently, with both replies: half of them tasks ``job``
+    gained (those first), the rest tasks it lost, in task order."""
     differ = [t for t in job.final if t in reference.final and (job.final[t] >= 1) != (reference.final[t] >= 1)]
-    differ.sort(key=lambda t: (job.final[t] < 1, str(t)))
-    lines = [f"### `{name}` against `{ref_name}`: {min(n, len(differ))} of the {len(differ)} tasks they differ on\n"]
-    for task in differ[:n]:
+    gained = sorted((t for t in differ if job.final[t] >= 1), key=str)
+    lost = sorted((t for t in differ if job.final[t] < 1), key=str)
+    shown = gained[: max(n - len(lost), (n + 1) // 2)]
+    shown += lost[: n - len(shown)]
+    lines = [
+        f"### `{name}` against `{ref_name}`: {len(shown)} of the {len(differ)} tasks they differ on "
+        f"({len(gained)} gained, {len(lost)} lost)\n"
+    ]
+    for task in shown:
         task_input, reply = job.replies[task]
         question = task_input.get("question", task_input) if isinstance(task_input, dict) else task_input
         lines.append(f"#### {task}\n\n{quoted(question)}\n")
