@@ -18,22 +18,26 @@ import argparse
 import asyncio
 import json
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 # private, and not renamed for this script: evaluate.py's bytes are part of every eval-cache key (agl/eval/cache.py)
 from agl.eval.evaluate import _score_and_reply as score_and_reply
 from agl.eval.stats import paired_change, wilson_interval
+from agl.report.run_report import quote
 from agl.report.tables import markdown_table
 from agl.store import SqliteStore
 
 
+@dataclass
 class Job:
     """What a job's store and metrics.jsonl say about its evals (read-only; the score is the first of ``names``
     the evals have; a failed rollout scores 0, as eval/ counts it)."""
 
-    def __init__(self, final: dict, base: dict, train: list[float], replies: dict):
-        self.final, self.base, self.train = final, base, train  # {task_id: score}, and each RL step's reward
-        self.replies = replies  # {task_id: (the task's input, the final eval's reply)}
+    final: dict  # {task_id: score} of the final eval
+    base: dict  # {task_id: score} of the base model's
+    train: list[float]  # each RL step's mean training reward
+    replies: dict  # {task_id: (the task's input, the final eval's reply)}
 
     @classmethod
     async def read(cls, job: Path, names: list[str]) -> Job:
@@ -69,10 +73,9 @@ def change(before: dict, after: dict) -> str:
     return f"+{c['gained']} −{c['lost']}, p = {c['p']:.2g}"
 
 
-def quoted(text: object, limit: int = 600) -> str:
+def clipped(text: object, limit: int = 600) -> str:
     text = text if isinstance(text, str) else json.dumps(text)
-    text = text if len(text) <= limit else text[:limit] + " …"
-    return "\n".join("> " + line for line in text.splitlines() or [""])
+    return text if len(text) <= limit else text[:limit] + " …"
 
 
 def differing_samples(ref_name: str, reference: Job, name: str, job: Job, n: int) -> str:
@@ -90,11 +93,10 @@ def differing_samples(ref_name: str, reference: Job, name: str, job: Job, n: int
     for task in shown:
         task_input, reply = job.replies[task]
         question = task_input.get("question", task_input) if isinstance(task_input, dict) else task_input
-        lines.append(f"#### {task}\n\n{quoted(question)}\n")
+        lines.append(f"#### {task}\n\n{quote(clipped(question))}\n")
         for label, which in ((ref_name, reference), (name, job)):
-            lines.append(
-                f"`{label}` (score {which.final[task]:g}):\n\n{quoted(which.replies[task][1] or '(no reply)')}\n"
-            )
+            reply = which.replies[task][1]
+            lines.append(f"`{label}` (score {which.final[task]:g}):\n\n{quote(reply and clipped(reply))}\n")
     return "\n".join(lines)
 
 

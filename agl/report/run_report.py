@@ -358,7 +358,7 @@ def _samples_section(replies: list[tuple], count: int = SAMPLES) -> str | None:
         _, after, reward_after = by_step[last][task]
         blocks.append(
             f"### {task}\n\n{_question(task_input)}\n\nbefore training (reward {fmt(reward_before)}):\n\n"
-            f"{_quote(before)}\n\nafter {last} updates (reward {fmt(reward_after)}):\n\n{_quote(after)}"
+            f"{quote(before)}\n\nafter {last} updates (reward {fmt(reward_after)}):\n\n{quote(after)}"
         )
     return "\n\n".join(blocks)
 
@@ -366,10 +366,11 @@ def _samples_section(replies: list[tuple], count: int = SAMPLES) -> str | None:
 def _question(task_input: str | None) -> str:
     row = json.loads(task_input) if task_input else {}
     text = row.get("question") if isinstance(row, dict) else None
-    return _quote(text if isinstance(text, str) else json.dumps(row)[:500])
+    return quote(text if isinstance(text, str) else json.dumps(row)[:500])
 
 
-def _quote(text: str | None) -> str:
+def quote(text: str | None) -> str:
+    """``text`` as a Markdown block quote, as report.md shows a task or a reply."""
     return "\n".join("> " + line for line in (text or "(no reply)").splitlines() or [""])
 
 
