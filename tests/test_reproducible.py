@@ -19,6 +19,7 @@ SPANS = (
     "SELECT rollout_id, attempt_id, sequence_id, name, prompt_token_ids, response_token_ids, response_logprobs "
     "FROM spans ORDER BY rollout_id, sequence_id"
 )
+BEFORE_LAST_STEP = f"SELECT step FROM checkpoints WHERE step >= {STEPS - 2}"  # saved: only the last step is left
 
 
 def test_one_seed_gives_one_run(reference, tmp_path, device):
@@ -58,9 +59,13 @@ def test_kill_9_anywhere_changes_nothing(reference, tmp_path, device):
     last_update = f"update:{STEPS - 1}"  # the last GRPO step's: the resume after it restores a GRPO optimizer
     for point in ("random", "random", "rollout", last_update, "checkpoint"):
         if point == "random":  # somewhere in the job (timed from its start, not its process's: a forked one starts
-            # in a second, a fresh one in several), early enough that a GRPO update is left for the update kill
+            # in a second, a fresh one in several), and no later than the checkpoint before the last GRPO step:
+            # a rollout and that step's update are left for the kill points after it, however loaded the machine
+            # was when the reference was timed
             job_started(proc, run_dir)
-            time.sleep(rng.uniform(0.0, 0.3 * duration))
+            deadline = time.monotonic() + rng.uniform(0.0, 0.3 * duration)
+            while time.monotonic() < deadline and not query(run_dir, BEFORE_LAST_STEP):
+                time.sleep(0.05)
             assert proc.poll() is None, "the run ended before it was killed: " + proc.output()[-2000:]
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
