@@ -1,0 +1,96 @@
+"""A fresh process with and without the venv's bytecode: what `make`'s `uv pip install --compile-bytecode` saves.
+
+uv, unlike pip, installs no ``.pyc`` files by default; where the environment has ``PYTHONDONTWRITEBYTECODE=1``
+(this machine's does) Python then never writes them either, and every process compiles torch's, transformers' and
+the rest's sources again. Both sides run in this venv with ``PYTHONDONTWRITEBYTECODE=1``, alternated; "no bytecode"
+points Python's bytecode lookup at an empty directory (``-X pycache_prefix``), so it finds none, as in a venv uv
+installed without the flag.
+
+    PYTHONPATH=. .venv/bin/python bench/bytecode.py --rounds 3
+
+Writes bench/results/bytecode.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import RESULTS, ROOT
+
+# what the test suite's processes do most: import the job's modules; run a one-step job on the tiny model
+COMMANDS = {
+    "the job's imports": ["-c", "import agl.jobs.grpo, agl.policy.load, agl.route.server, agl.report.plots"],
+    "a one-step GRPO job on the tiny model": [
+        str(ROOT / "harness.py"),
+        "model=tiny",
+        "task=hello",
+        "algo=grpo",
+        "progress=false",
+        "algo.steps=1",
+        "algo.batch_size=1",
+        "algo.group_size=2",
+        "algo.eval_every=0",
+        "task.max_tokens=2",
+        "task.eval_size=1",
+    ],
+}
+
+
+def cpu() -> str:
+    """The CPU's model name and its widest matmul extension (the machines differ: BENCHMARKS.md)."""
+    info = Path("/proc/cpuinfo").read_text()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    kind = next((flag for flag in ("amx_bf16", "avx512_bf16", "avx2") if f" {flag}" in info), "neither")
+    return f"{name}, {kind}, {os.cpu_count()} cores"
+
+
+def timed(args: list[str], env: dict, cwd: str) -> float:
+    start = time.perf_counter()
+    subprocess.run([sys.executable, *args], env=env, cwd=cwd, check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    rounds = parser.parse_args().rounds
+    with tempfile.TemporaryDirectory() as empty, tempfile.TemporaryDirectory() as work:
+        env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "AGL_CACHE": os.path.join(work, "cache")}
+        sides = {"bytecode": [], "no bytecode": ["-X", f"pycache_prefix={empty}"]}
+        times: dict[tuple[str, str], list[float]] = {(c, s): [] for c in COMMANDS for s in sides}
+        timed(COMMANDS["a one-step GRPO job on the tiny model"], env, work)  # builds the tiny model once
+        for r in range(rounds):
+            for command, args in COMMANDS.items():
+                for side, flags in sides.items():
+                    run_dir = [f"hydra.run.dir={work}/run-{r}-{len(times[command, side])}-{side[:2]}"]
+                    extra = run_dir if args[0].endswith("harness.py") else []
+                    times[command, side].append(timed([*flags, *args, *extra], env, work))
+    lines = [
+        "# A fresh process with and without the venv's bytecode",
+        "",
+        f"`PYTHONPATH=. .venv/bin/python bench/bytecode.py --rounds {rounds}`, both sides alternated, "
+        f"`PYTHONDONTWRITEBYTECODE=1`; wall seconds, median [min, max] of the rounds. CPU: {cpu()}.",
+        "",
+        "| command | bytecode | no bytecode | ratio |",
+        "|---|---:|---:|---:|",
+    ]
+    for command in COMMANDS:
+        with_, without = times[command, "bytecode"], times[command, "no bytecode"]
+        cell = lambda ts: f"{statistics.median(ts):.2f} [{min(ts):.2f}, {max(ts):.2f}]"  # noqa: E731
+        ratio = statistics.median(without) / statistics.median(with_)
+        lines.append(f"| {command} | {cell(with_)} | {cell(without)} | {ratio:.2f}× |")
+    text = "\n".join(lines) + "\n"
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "bytecode.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
