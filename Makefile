@@ -23,7 +23,7 @@ FRAMEWORKS_OPENAI2 := litellm langchain langchain-responses
 
 # The checkout's own bytecode too (under a second; sources edited since are compiled again, as Python does)
 setup: $(VENV)/.installed
-	@$(BIN)/python -m compileall -q agl tasks tests harness.py > /dev/null
+	@$(BIN)/python -m compileall -q agl tasks tests harness.py
 
 # torch's wheel, fetched once by pip (which reads the machine's pip config: here, a CPU wheel on local disk)
 # and installed into every venv by uv from its cache. uv installs the rest: it resolves and installs in
