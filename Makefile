@@ -40,7 +40,8 @@ $(TORCH_WHEELS)/.downloaded: Makefile
 # (--no-deps: its dependencies build llama.cpp, which agl does not use). Every venv below is one of these.
 # --compile-bytecode: as pip does by default, uv does not. Without it, a machine whose environment has
 # PYTHONDONTWRITEBYTECODE=1 (this one's does) compiles torch's and transformers' sources again in every
-# process: about 8 s of each fresh harness's 19 s (docs/benchmarks-history.md "Bytecode compiled once").
+# process (docs/benchmarks-history.md "Bytecode compiled once"). uv compiles what it installs: a venv made
+# before this line gets its bytecode from `make clean` and a new make, or `.venv/bin/python -m compileall -q -j0 .venv/lib`.
 define make_venv
 	$(PYTHON) -m venv $(1)
 	$(1)/bin/pip install --quiet uv
