@@ -9,7 +9,7 @@ and the checkout's, as before `make` compiled them.
 
     PYTHONPATH=. .venv/bin/python bench/bytecode.py --rounds 3
 
-Writes bench/results/bytecode.md.
+Writes bench/results/bytecode.md, and each round's times to bench/results/bytecode.json.
 """
 
 from __future__ import annotations
