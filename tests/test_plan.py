@@ -65,8 +65,13 @@ async def test_measuring_the_rates_changes_nothing_the_job_computes(tmp_path):
         states = (torch.get_rng_state(), random.getstate(), rt.engine.generator.get_state())
         prompt = probe_prompt(rt, rt.task.load("test"), cfg.task.prompt)
         backward = functools.partial(sft_loss_and_backward, gradient_checkpointing=True)
-        rates = await measure_rates(rt, prompt, 8, len(prompt) + 6, backward)
-        assert rates.decode_step_s > 0 and rates.train_s_per_token > 0 and rates.batch == 8
+        rates = await measure_rates(rt, prompt, 8, 6, len(prompt) + 6, backward)
+        assert (
+            rates.decode_step_s > 0
+            and rates.decode_last_step_s > 0
+            and rates.train_s_per_token > 0
+            and rates.batch == 8
+        )
         assert torch.equal(states[0], torch.get_rng_state()) and states[1] == random.getstate()
         assert torch.equal(states[2], rt.engine.generator.get_state())
         for name, param in rt.policy.model.named_parameters():

@@ -100,7 +100,7 @@ class GRPOTrainer:
         tokens = algo.max_tokens
         train_length = len(prompt_ids) + tokens
         backward = functools.partial(sft_loss_and_backward, gradient_checkpointing=algo.gradient_checkpointing)
-        rates = await measure_rates(rt, prompt_ids, rt.runner_config.n or 1, train_length, backward)
+        rates = await measure_rates(rt, prompt_ids, rt.runner_config.n or 1, tokens, train_length, backward)
         sampling = {"temperature": 0.0, "max_tokens": tokens}
         resources = rt.task.resources_for(task.prompt)
         cached = cached_row_count(rt, self.end_rows, resources, sampling, task.eval_split) if fresh else 0
@@ -113,7 +113,6 @@ class GRPOTrainer:
                 BASELINE,
                 f"{n_end} problems" + (f" ({cached} from the eval cache)" if cached else ""),
                 rates.eval_s(n_end - cached, p, tokens),
-                bound=True,
                 units=int(fresh and n_end > 0),
             )
         ]
@@ -130,17 +129,13 @@ class GRPOTrainer:
                 )
             )
         rollouts = algo.batch_size * algo.group_size
-        sample_s = (
-            algo.batch_size * p * rates.prefill_s_per_token
-            + rollouts * tokens / max(1, min(rates.batch, rollouts)) * rates.decode_step_s
-        )
+        sample_s = algo.batch_size * p * rates.prefill_s_per_token + rates.decode_s(rollouts, tokens)
         update_s = rollouts * train_length * rates.train_s_per_token * algo.num_iterations * (1 + (algo.beta > 0) / 3)
         phases.append(
             Phase(
                 GRPO,
                 f"{grpo_left} steps x {rollouts} rollouts",
                 grpo_left * (sample_s + update_s),
-                bound=True,
                 units=grpo_left,
             )
         )
@@ -149,7 +144,6 @@ class GRPOTrainer:
                 EVALS,
                 f"{periodic} x {n_slice} problems",
                 periodic * rates.eval_s(n_slice, p, tokens),
-                bound=True,
                 units=periodic,
             )
         )
@@ -158,7 +152,6 @@ class GRPOTrainer:
                 FINAL,
                 f"{n_end} problems",
                 rates.eval_s(n_end, p, tokens),
-                bound=True,
                 units=int(self.step < self.total_steps and n_end > 0),
             )
         )

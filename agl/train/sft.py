@@ -245,17 +245,15 @@ class SFTTrainer:
         mean_length = sum(len(ids) for ids, _ in demos) / len(demos)
         prompt_ids = probe_prompt(rt, self.eval_rows, rt.task_config.prompt)
         backward = functools.partial(sft_loss_and_backward, gradient_checkpointing=sft_cfg.gradient_checkpointing)
-        rates = await measure_rates(rt, prompt_ids, rt.runner_config.n or 1, int(mean_length), backward)
+        rates = await measure_rates(rt, prompt_ids, rt.runner_config.n or 1, tokens, int(mean_length), backward)
         n, p, left = len(self.eval_rows), len(prompt_ids), self.steps - self.step
         evals = sum(self._due(s) for s in range(self.step + 1, self.steps + 1)) if n else 0
         step_s = sft_cfg.batch_size * mean_length * rates.train_s_per_token
         plan = JobPlan(
             [
-                Phase(
-                    "baseline eval", f"{n} problems", rates.eval_s(n, p, tokens), bound=True, units=int(fresh and n > 0)
-                ),
+                Phase("baseline eval", f"{n} problems", rates.eval_s(n, p, tokens), units=int(fresh and n > 0)),
                 Phase("SFT", f"{left} steps x {sft_cfg.batch_size} demonstrations", left * step_s, units=left),
-                Phase("evals", f"{evals} x {n} problems", evals * rates.eval_s(n, p, tokens), bound=True, units=evals),
+                Phase("evals", f"{evals} x {n} problems", evals * rates.eval_s(n, p, tokens), units=evals),
             ],
             rates,
         )
