@@ -58,6 +58,26 @@ def alone(policy):
     return asyncio.run(run())
 
 
+def test_continuations_of_a_prompt_over_the_prefill_budget_are_admitted_together(policy):
+    """The first prompt is admitted whatever its length; its other continuations share its prefill, so they
+    cost nothing and join in the same step (each used to be prefilled again, in a step of its own)."""
+    prompt = policy.render_chat([{"role": "user", "content": TEXTS[3]}])
+
+    async def run():
+        engine = Engine(policy, max_prefill_tokens=len(prompt) // 2, batch_wait_s=0)
+        await engine.start()
+        try:
+            seqs = engine.submit(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True), n=4)
+            await asyncio.gather(*(s.wait() for s in seqs))
+        finally:
+            await engine.stop()
+        return engine.stats, seqs
+
+    stats, seqs = asyncio.run(run())
+    assert stats["prefill_tokens"] == len(prompt) and stats["prefill_shared_tokens"] == 3 * len(prompt)
+    assert all(s.token_ids == seqs[0].token_ids for s in seqs)
+
+
 # (prompt, max_tokens, delay in event-loop ticks, n: continuations sharing one prefill)
 requests = st.lists(
     st.tuples(st.integers(0, len(TEXTS) - 1), st.integers(1, LONGEST), st.integers(0, 6), st.integers(1, 2)),

@@ -375,7 +375,7 @@ class Engine:
         while self._waiting and len(admit) < room:
             prompt = tuple(self._waiting[0].prompt_ids)
             cost = 0 if prompt in seen else len(prompt)
-            if admit and cost > budget:
+            if admit and cost and cost > budget:  # a prompt this admission prefills already costs nothing more
                 break
             budget -= cost
             seen.add(prompt)
