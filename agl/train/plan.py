@@ -16,7 +16,7 @@ the cost per token: the probe times a lone prompt's prefill too. Priced with the
 alone, a 96-problem GSM8K eval took 1.22x its estimate (89 s against 73 s); with both, 1.09x (85 s against 78 s: the
 engine's and the route's work around each call is not priced). (Two runs on the AVX512-bf16 machine, 2026-11-29.) So
 the estimates are estimates, not bounds. Rows the eval cache holds cost nothing. Left out: the time to load the model
-and start the route (before the plan), the cost of a multi- turn agent's further calls, and the first matmuls' kernel
+and start the route (before the plan), the cost of a multi-turn agent's further calls, and the first matmuls' kernel
 compilation (the probe pays it, once).
 """
 
@@ -98,14 +98,14 @@ async def measure_rates(
     vocab = len(rt.policy.tokenizer)
     prompts = [list(prompt_ids) + [(7 + i) % vocab] for i in range(batch)]  # a distinct last token each
 
-    async def decode(prompts: Sequence[Sequence[int]], max_tokens: int, n: int = 1) -> tuple[float, float]:
-        """One call, timed by its sequences' own clocks: (prefill, decode steps) seconds. The prefill ends when
-        the last row has its first token (from the first admission: a lone prompt's wait for company, the engine's
-        ``batch_wait_s``, is not prefill), and the decode steps after it are that row's remaining tokens. (Timed as
-        a 9-token call minus a 1-token one, the 8 steps were lost in the prefill's noise: 5 of 11 probes on the
-        embedded model gave 0-7 ms a step.)"""
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-        streams = [s for p in prompts for s in rt.engine.submit(list(p), params, n=n)]
+    async def decode(call: Sequence[Sequence[int]], new_tokens: int, n: int = 1) -> tuple[float, float]:
+        """One call (``n`` continuations of each prompt in ``call``), timed by its sequences' own clocks:
+        (prefill, decode steps) seconds. The prefill ends when the last row has its first token (from the first
+        admission: a lone prompt's wait for company, the engine's ``batch_wait_s``, is not prefill), and the
+        decode steps after it are that row's remaining tokens. (Timed as a 9-token call minus a 1-token one, the
+        8 steps were lost in the prefill's noise: 5 of 11 probes on the embedded model gave 0-7 ms a step.)"""
+        params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        streams = [s for p in call for s in rt.engine.submit(list(p), params, n=n)]
         await asyncio.gather(*(s.wait() for s in streams))
         prefilled = max(s.first_token_at for s in streams)
         return prefilled - min(s.admitted_at for s in streams), max(s.finished_at for s in streams) - prefilled
