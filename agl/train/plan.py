@@ -78,6 +78,11 @@ class Rates:
         )
 
 
+def _cycled(ids: Sequence[int], length: int) -> list[int]:
+    """``ids`` repeated to ``length`` tokens."""
+    return (list(ids) * (length // max(1, len(ids)) + 1))[:length]
+
+
 async def measure_rates(
     rt: Any,
     prompt_ids: Sequence[int],
@@ -119,12 +124,12 @@ async def measure_rates(
     longest = max(
         len(prompt_ids) + 1, min(len(prompt_ids) + max_tokens, rt.policy.context_length - 2 - PROBE_DECODE_STEPS)
     )
-    long_prompt = (list(prompts[0]) * (longest // len(prompts[0]) + 1))[:longest]
+    long_prompt = _cycled(prompts[0], longest)
     _, last_decode_s = await decode([long_prompt], 1 + PROBE_DECODE_STEPS, n=batch)
 
     length = max(8, min(train_length, rt.policy.context_length))
     rows = max(1, PROBE_TRAIN_TOKENS // length)
-    ids = (list(prompt_ids) * (length // max(1, len(prompt_ids)) + 1))[:length]
+    ids = _cycled(prompt_ids, length)
     examples = [(ids, [0] * (length // 2) + [1] * (length - length // 2)) for _ in range(rows)]
 
     def train_pass() -> float:
