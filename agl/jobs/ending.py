@@ -17,7 +17,8 @@ from agl.report.run_report import learning_table, report_run
 
 def job_ending(run_dir: Path, config: Config, adapter: str) -> str:
     """The lines a GRPO or SFT job prints at its end (and writes report.md for)."""
-    report_run(run_dir, echo=False, status="succeeded")  # status.json says so once the job has returned
+    # status.json says so once the job has returned; the trainer drew curves.png as it returned
+    report_run(run_dir, echo=False, status="succeeded", draw=False)
     table = learning_table(read_metrics(metrics_path(run_dir)))
     algo = config.algo.name
     more = "algo.warmup.steps=0 algo.steps=<n>" if algo == "grpo" else "algo.steps=<n>"

@@ -54,9 +54,10 @@ def report(target: str | Path) -> dict:
     raise ConfigError(f"report='{target}' is neither a run dir (no store.sqlite) nor a sweep dir (no job dirs)")
 
 
-def report_run(run_dir: Path, echo: bool = True, status: str | None = None) -> dict:
+def report_run(run_dir: Path, echo: bool = True, status: str | None = None, draw: bool = True) -> dict:
     """Write (and with ``echo`` print) report.md and curves.png from a run dir's files. ``status``: the run's
-    status when the caller knows it better than status.json (a job writing its report as it ends)."""
+    status when the caller knows it better than status.json (a job writing its report as it ends); ``draw``:
+    False when curves.png is already drawn from the same metrics (the trainer draws it as it returns)."""
     data = _read_store(run_dir / "store.sqlite")
     rows = read_metrics(run_dir / "metrics.jsonl")
     if not rows and data["metrics"]:  # no metrics.jsonl (e.g. deleted): the store has them too
@@ -76,7 +77,7 @@ def report_run(run_dir: Path, echo: bool = True, status: str | None = None) -> d
         ("failures by error", _failures_section(data["failures"], data["harness_ends"])),
     ]
     plot = run_dir / "curves.png"
-    if rows:
+    if rows and draw:
         draw_panels({"run": rows}, plot)
     text = "\n\n".join(f"## {title}\n\n{body}" for title, body in sections)
     text = f"# report: {run_dir}\n\n{text}\n\nplots: {plot if plot.exists() else '(no metrics to plot)'}\n"
