@@ -45,7 +45,7 @@ import gc
 import os
 import resource
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from agl.errors import ConfigError
@@ -234,9 +234,26 @@ def trim() -> bool:
     return True
 
 
+@contextlib.contextmanager
+def long_lived_frozen() -> Iterator[None]:
+    """Inside the block, Python's collector skips every object that exists as it starts (``gc.freeze``):
+    the imports' and the loaded model's, over half a million with torch and transformers, which a job keeps
+    to its end. A full collection then traverses only what came after: 0.2-0.3 s less per ``collect`` (an
+    AVX512 machine). What is frozen is still freed when its count drops to zero; a cycle among it waits for
+    the block's end. Inside a block another froze first, nothing changes (``gc.unfreeze`` unfreezes all)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def collect() -> None:
     """A full garbage collection, then ``trim`` (its time with SmolLM2 loaded: BENCHMARKS.md
-    "Trimming and collecting").
+    "Trimming and collecting"; ``long_lived_frozen`` takes the model's objects out of it).
 
     Agents leave reference cycles (an ``openai.OpenAI`` client made per rollout sits in one with
     its SSL context and its OpenSSL heap), and with a loaded model's many long-lived objects

@@ -40,7 +40,7 @@ from agl.config import (
     typed,
 )
 from agl.errors import ConfigError, DiskFull
-from agl.memory import collect
+from agl.memory import collect, long_lived_frozen
 from agl.policy.device import deterministic_kernels
 from agl.policy.engine import Engine
 from agl.policy.load import Policy, load_policy
@@ -133,6 +133,7 @@ class Runtime:
         await self.store.__aenter__()  # opens, reaps a dead previous process's attempts, starts the watchdog
         if self._policy is None:
             self._policy = await asyncio.to_thread(load_policy, self.model_config, self.device)
+        self._settings.enter_context(long_lived_frozen())  # the collections every few rollouts skip the model
         engine_options = engine_kwargs(self.engine_config, self.model_config.compute_dtype)
         if engine_options["batch_invariant"]:  # an exact run: on CUDA, deterministic kernels too (agl.policy.device)
             self._settings.enter_context(deterministic_kernels(self.policy.device))
