@@ -25,7 +25,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf_once import parsed_once
 from omegaconf import OmegaConf
 
 import agl.policy.weights as agl_weights
@@ -362,10 +361,8 @@ def test_build_killed_mid_write_leaves_no_valid_cache(tmp_path, tiny_dir, phase)
 
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory) -> Path:
-    """The real GGUF -> safetensors conversion, once, into a fresh cache dir (~15-20 s; the package's GGUF parsed
-    once, not three times: tests/gguf_once.py)."""
-    with parsed_once():
-        return convert_embedded(tmp_path_factory.mktemp("agl-cache"))
+    """The real GGUF -> safetensors conversion, once, into a fresh cache dir."""
+    return convert_embedded(tmp_path_factory.mktemp("agl-cache"))
 
 
 @pytest.mark.slow

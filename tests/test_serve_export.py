@@ -28,7 +28,6 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from gguf_once import parsed_once
 from omegaconf import OmegaConf
 from runs import harness
 
@@ -36,6 +35,7 @@ import agl
 from agl.errors import ConfigError
 from agl.jobs.gguf import check_gguf_support
 from agl.policy.load import load_policy
+from agl.policy.weights import gguf_read_once
 from agl.store import SqliteStore
 
 PROMPTS = [
@@ -161,9 +161,9 @@ def adapters(tiny_model_cfg, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def gguf_parsed_once():
-    """Each exported GGUF file parsed once (tests/gguf_once.py): transformers parses one file three times for a
-    model and its tokenizer, most of an export test's time."""
-    with parsed_once():
+    """Each exported GGUF file parsed once (agl.policy.weights.gguf_read_once): transformers parses one file three
+    times for a model and its tokenizer, most of an export test's time."""
+    with gguf_read_once():
         yield
 
 

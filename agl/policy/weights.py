@@ -15,7 +15,9 @@ A cache entry is complete only with its manifest (every file's size and sha256),
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
@@ -23,6 +25,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -147,8 +150,9 @@ def convert_embedded(cache_dir: Path, gguf: Path | None = None) -> Path:
     def write(tmp: Path) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        with gguf_read_once():
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         config = loaded.config
         config.quantization_config = None
         del config.quantization_config
@@ -159,6 +163,37 @@ def convert_embedded(cache_dir: Path, gguf: Path | None = None) -> Path:
         tokenizer.save_pretrained(tmp)
 
     return cached_model_dir(Path(cache_dir).expanduser(), key, write)
+
+
+@contextlib.contextmanager
+def gguf_read_once() -> Iterator[None]:
+    """transformers reading GGUF files, without its repeated work: inside the block each file is parsed once
+    and gguf-py's tensor-name map is built once per architecture and depth.
+
+    transformers parses a whole file with gguf-py's ``GGUFReader`` (the embedded tokenizer's ~150k vocabulary and
+    merges values, one numpy view each) once for the tokenizer, once for the config and once for the weights, and
+    builds a ``TensorNameMap`` (every tensor name gguf-py knows, formatted for every block) again for each of the
+    model's modules: 397 times for SmolLM2-135M. Both are read-only to it. The converter's time with and without:
+    BENCHMARKS.md ("The embedded model's conversion"). A file written again (another size or mtime) is parsed again.
+    Not thread-safe: it swaps gguf-py's two functions for the block's length.
+    """
+    import gguf
+
+    parse, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    parsed: dict[tuple, Any] = {}
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        stat = os.stat(path)
+        key = (os.fspath(path), stat.st_size, stat.st_mtime_ns, mode)
+        if key not in parsed:
+            parsed[key] = parse(path, mode)
+        return parsed[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(name_map)  # transformers imports both per call
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = parse, name_map
 
 
 ARCHITECTURES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}  # TinyConfig.architecture -> transformers' config
