@@ -1,4 +1,8 @@
-"""What differs on a CUDA device: its peak memory in the metrics, and deterministic kernels for exact runs.
+"""What differs on a CUDA device: which device a run gets, its peak memory in the metrics, and deterministic
+kernels for exact runs.
+
+- ``resolve_device``: ``device=`` as a torch device, or the one-line error a user can act on (checked as the job
+  starts, before its modules and its model load: agl.jobs.dispatch).
 
 - ``device_memory``: the GPU's peak allocated memory so far (``torch.cuda.max_memory_allocated``), which
   the trainers add to every metrics.jsonl row as ``peak_vram_mib`` next to the process's peak RSS. Peak,
@@ -22,7 +26,19 @@ from collections.abc import Iterator
 
 import torch
 
+from agl.errors import ConfigError
+
 CUBLAS_WORKSPACE = ":4096:8"  # the setting torch's reproducibility notes give for deterministic cuBLAS
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
+        raise ConfigError(f"device '{device}' is not one of: auto, cpu, cuda")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device '{device}' was asked for, but torch sees no CUDA device")
+    return torch.device(device)
 
 
 def device_memory(device: torch.device | str) -> dict[str, float]:

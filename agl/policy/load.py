@@ -17,6 +17,7 @@ import torch
 
 from agl.config import ModelConfig, typed
 from agl.errors import ConfigError, disk_full_named
+from agl.policy.device import resolve_device
 from agl.policy.lora import (
     check_vocabulary_tie,
     find_adapter_dir,
@@ -126,16 +127,6 @@ def keep_4bit_matmul_differentiable(model: torch.nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "support_avx512bf16_for_cpu"):
             module.support_avx512bf16_for_cpu = False
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise ConfigError(f"device '{device}' is not one of: auto, cpu, cuda")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device '{device}' was asked for, but torch sees no CUDA device")
-    return torch.device(device)
 
 
 def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
