@@ -6,7 +6,7 @@ import json
 import sqlite3
 
 import jsonschema
-from test_harness import harness
+from conftest import run_harness
 
 from tasks.gsm8k.data import load_split
 from tasks.gsm8k_json.agent import answer_schema, demonstration, parse
@@ -28,8 +28,7 @@ def test_a_short_grpo_run_trains_through_structure(tmp_path):
     """The whole job on the tiny model: every reply is sampled under the schema's grammar, ends well
     formed (reasoning capped at 3 characters so the random model finishes), and the update's log-probs
     agree with the sampler's masked ones."""
-    result = harness(
-        tmp_path,
+    result = run_harness(
         "model=tiny",
         "task=gsm8k_json",
         "algo=grpo",
@@ -43,6 +42,7 @@ def test_a_short_grpo_run_trains_through_structure(tmp_path):
         "task.final_eval_size=null",
         "task.max_tokens=40",
         "task.resources.reasoning_max_chars=3",
+        f"hydra.run.dir={tmp_path / 'run'}",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     db = sqlite3.connect(tmp_path / "run" / "store.sqlite")

@@ -350,10 +350,12 @@ async def test_the_agents_cyclic_garbage_is_collected_every_few_rollouts(tmp_pat
                 rows, [{"task_id": r["id"]} for r in rows], mode="val", resources_id=resources_id
             )
             alive = [ref for ref in e2e_agents.CLIENTS if ref() is not None]
+            frozen = gc.get_freeze_count()  # the loaded model's objects: out of the collections (agl.memory)
     finally:
         gc.enable()
     assert [r.status for r in rollouts] == ["succeeded"] * 4 and len(e2e_agents.CLIENTS) == 4
     assert len(alive) == (4 if collect_every == 0 else 0)
+    assert frozen > 10_000 and gc.get_freeze_count() == 0  # and back in them once the runtime has ended
 
 
 async def test_an_async_agent_that_blocks_slows_only_itself(tmp_path, caplog):
