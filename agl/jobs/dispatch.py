@@ -30,7 +30,6 @@ from agl.config import Config, check_server_exposure, config_record, to_typed, w
 from agl.errors import ConfigError, DiskFull, disk_full_in
 from agl.jobs.launchers import apply_threads
 from agl.jobs.run_lock import RunDirBusy, holding_run_dir
-from agl.policy.device import resolve_device
 from agl.report.loggers import run_loggers
 from agl.report.metrics import draw_curves
 from agl.report.status import read_status, write_status
@@ -120,6 +119,8 @@ def run_job(cfg: DictConfig) -> object:
     )  # jobs x threads <= cores (agl/jobs/launchers.py)
     config = to_typed(cfg)  # the one conversion: below here, every part takes its typed section
     if name != "runner":  # a device this machine lacks is refused before the job's modules and model load
+        from agl.policy.device import resolve_device  # torch: not in a runner process, nor for report=
+
         resolve_device(config.device)
     if name not in ("info", "runner", "export"):  # the jobs that serve the route: refused before the model loads
         check_server_exposure(config.server)
