@@ -173,6 +173,31 @@ def test_models_health_and_api_key(served):
         served.call(guarded.stop())
 
 
+async def test_a_stopped_route_lets_go_of_its_model(tiny_model_cfg, tmp_path):
+    """FastAPI keeps the endpoints it has seen (this server's bound methods) in module-level caches: a stopped
+    route must not keep its engine and policy alive through them (a sweep's jobs in one process kept every
+    earlier job's model)."""
+    import gc
+    import weakref
+
+    policy = load_policy(tiny_model_cfg, "cpu")
+    engine = Engine(policy)
+    await engine.start()
+    store = SqliteStore(tmp_path / "store.sqlite")
+    server = ModelServer(engine, policy, store)
+    await server.start()
+    async with httpx.AsyncClient(base_url=server.base_url) as client:
+        assert (await client.get("/models")).status_code == 200
+    await server.stop()
+    await engine.stop()
+    await store.close()
+    gone = weakref.ref(policy), weakref.ref(engine)
+    del policy, engine
+    gc.collect()
+    assert [ref() for ref in gone] == [None, None]
+    assert server.engine is None  # the server object itself may live on in FastAPI's caches
+
+
 def test_chat_round_trip_records_one_exact_span(served):
     rid, aid = served.new_attempt()
     client = served.client(served.server.rollout_base_url(rid, aid))

@@ -219,12 +219,18 @@ class ModelServer:
             await asyncio.sleep(0.005)
 
     async def stop(self) -> None:
+        """Stop serving, for good: the server lets go of its engines, policy and store. FastAPI keeps every endpoint
+        it has seen, bound methods of this server included, in module-level caches (``fastapi.dependencies.models``,
+        4,096 entries each), so a stopped server lives on: without this, each job of a sweep run in one process kept
+        the previous jobs' models and samplers (peak RSS +480 MiB a job on the default GSM8K job, BENCHMARKS.md)."""
         if self._task is None:
             return
         self._server.should_exit = True
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         self._task = self._server = None
+        self.engine = self.policy = self.store = self.recorder = None
+        self.frozen = {}
 
     # ------------------------------------------------------------------ app
 
