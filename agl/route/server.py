@@ -341,9 +341,7 @@ class ModelServer:
         """A chat request rendered to prompt ids (tool prompt, exact prefixes, forced reply start)."""
         use_tools = bool(req.tools) and req.tool_choice != "none"
         tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if use_tools else None
-        # llguidance's view of the tokenizer is made at the first structured request (a job's first: 0.2-0.5 s)
-        structured = bool(tools) or req.response_format is not None
-        grammar = structure.reply_grammar(req, tools, policy_grammar_tokenizer(self.policy)) if structured else None
+        grammar = structure.reply_grammar(req, tools, lambda: policy_grammar_tokenizer(self.policy))
         if tools:  # `strict` is the route's business, not the prompt's
             tools = [{**t, "function": {k: v for k, v in t["function"].items() if k != "strict"}} for t in tools]
         messages = template_messages(req.messages)
