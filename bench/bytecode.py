@@ -23,9 +23,8 @@ import sys
 import sysconfig
 import tempfile
 import time
-from pathlib import Path
 
-from common import RESULTS, ROOT
+from common import RESULTS, ROOT, cpu
 
 # what the test suite's processes do most: import the job's modules; run a one-step job on the tiny model
 COMMANDS = {
@@ -44,14 +43,6 @@ COMMANDS = {
         "task.eval_size=1",
     ],
 }
-
-
-def cpu() -> str:
-    """The CPU's model name and its widest matmul extension (the machines differ: BENCHMARKS.md)."""
-    info = Path("/proc/cpuinfo").read_text()
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    kind = next((flag for flag in ("amx_bf16", "avx512_bf16", "avx2") if f" {flag}" in info), "neither")
-    return f"{name}, {kind}, {os.cpu_count()} cores"
 
 
 def timed(args: list[str], env: dict, cwd: str) -> float:

@@ -5,12 +5,21 @@ Benchmarks run as scripts from the project root with ``PYTHONPATH=.`` (see each 
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
+
+
+def cpu() -> str:
+    """The CPU's model name and its widest matmul extension (the machines differ: BENCHMARKS.md)."""
+    info = Path("/proc/cpuinfo").read_text()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    kind = next((flag for flag in ("amx_bf16", "avx512_bf16", "avx2") if f" {flag}" in info), "neither")
+    return f"{name}, {kind}, {os.cpu_count()} cores"
 
 
 def gsm8k_prompts(split: str, count: int) -> list[dict]:

@@ -20,8 +20,7 @@ import subprocess
 import sys
 import tempfile
 
-from bytecode import cpu
-from common import RESULTS, ROOT
+from common import RESULTS, ROOT, cpu
 
 ONE = """
 import contextlib, json, resource, sys, time
