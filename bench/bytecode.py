@@ -3,10 +3,10 @@
 uv, unlike pip, installs no ``.pyc`` files by default; where the environment has ``PYTHONDONTWRITEBYTECODE=1``
 (this machine's does) Python then never writes them either, and every process compiles torch's, transformers' and
 the rest's sources again. `make` lets Python write the bytecode of what it imports (its ``unexport``), the
-first time; this measures what that is worth. Both sides run in this venv with ``PYTHONDONTWRITEBYTECODE=1``, alternated; "no bytecode"
-points Python's bytecode lookup at another directory (``PYTHONPYCACHEPREFIX``) that holds the standard library's
-bytecode only (the interpreter's own, which a venv uv installed without the flag still has): so it lacks the venv's
-and the checkout's, as before `make` compiled them.
+first time; this measures what that is worth. Both sides run in this venv with ``PYTHONDONTWRITEBYTECODE=1``,
+alternated; "no bytecode" points Python's bytecode lookup at another directory (``PYTHONPYCACHEPREFIX``) that
+holds the standard library's bytecode only (the interpreter's own, which a venv uv installed still has): so it
+lacks the venv's and the checkout's.
 
     PYTHONPATH=. .venv/bin/python bench/bytecode.py --rounds 3
 
