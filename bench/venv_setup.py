@@ -1,5 +1,5 @@
-"""`make test`'s setup (the torch wheel and the three venvs) from a fresh clone: this checkout's Makefile against
-another commit's, side by side.
+"""`make test`'s setup (the torch wheel and the three venvs) from a fresh clone: this repository's HEAD against
+another commit, side by side (commits, so uncommitted changes are not measured).
 
 Each round clones both commits afresh (``git clone`` of this repository, then ``git checkout``) and runs
 ``make setup .venv-frameworks/.installed .venv-crewai/.installed`` in each clone, sides alternated, with the
