@@ -25,7 +25,7 @@ import sysconfig
 import tempfile
 import time
 
-from common import RESULTS, ROOT, cpu
+from common import RESULTS, ROOT, cpu, median_range
 
 # what the test suite's processes do most: import the job's modules; run a one-step job on the tiny model
 COMMANDS = {
@@ -88,9 +88,8 @@ def main() -> None:
     ]
     for command in COMMANDS:
         with_, without = times[command, "bytecode"], times[command, "no bytecode"]
-        cell = lambda ts: f"{statistics.median(ts):.2f} [{min(ts):.2f}, {max(ts):.2f}]"  # noqa: E731
         ratio = statistics.median(without) / statistics.median(with_)
-        lines.append(f"| {command} | {cell(with_)} | {cell(without)} | {ratio:.2f}× |")
+        lines.append(f"| {command} | {median_range(with_, 2)} | {median_range(without, 2)} | {ratio:.2f}× |")
     text = "\n".join(lines) + "\n"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "bytecode.md").write_text(text)

@@ -6,6 +6,7 @@ Benchmarks run as scripts from the project root with ``PYTHONPATH=.`` (see each 
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,11 @@ def cpu() -> str:
     name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
     kind = next((flag for flag in ("amx_bf16", "avx512_bf16", "avx2") if f" {flag}" in info), "neither")
     return f"{name}, {kind}, {os.cpu_count()} cores"
+
+
+def median_range(values: list[float], digits: int = 1) -> str:
+    """A table cell for repeated measurements: ``median [min, max]``."""
+    return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}, {max(values):.{digits}f}]"
 
 
 def gsm8k_prompts(split: str, count: int) -> list[dict]:

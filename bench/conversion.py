@@ -20,7 +20,7 @@ import subprocess
 import sys
 import tempfile
 
-from common import RESULTS, ROOT, cpu
+from common import RESULTS, ROOT, cpu, median_range
 
 ONE = """
 import contextlib, json, resource, sys, time
@@ -63,8 +63,7 @@ def main() -> None:
     assert len(manifests) == 1, "the two sides wrote different files"
 
     def cell(side: str, key: str) -> str:
-        values = [run[key] for run in runs[side]]
-        return f"{statistics.median(values):.1f} [{min(values):.1f}, {max(values):.1f}]"
+        return median_range([run[key] for run in runs[side]])
 
     ratio = statistics.median(r["wall"] for r in runs["without"]) / statistics.median(r["wall"] for r in runs["with"])
     lines = [

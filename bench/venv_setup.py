@@ -17,14 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import RESULTS, ROOT, cpu
+from common import RESULTS, ROOT, cpu, median_range
 
 TARGETS = ["setup", ".venv-frameworks/.installed", ".venv-crewai/.installed"]
 VENVS = [".venv", ".venv-frameworks", ".venv-crewai"]
@@ -67,8 +66,7 @@ def main() -> None:
             print(side, {k: v for k, v in runs[side][-1].items() if k != "files"}, flush=True)
 
     def cell(side: str, key: str) -> str:
-        values = [run[key] for run in runs[side]]
-        return f"{statistics.median(values):.1f} [{min(values):.1f}, {max(values):.1f}]"
+        return median_range([run[key] for run in runs[side]])
 
     def counts(side: str) -> str:
         last = runs[side][-1]["files"]
