@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 from omegaconf import OmegaConf
-from test_harness import harness
 from test_server import EOS, Served, chosen_tokens, forced_tokens
 
 import agl
@@ -219,9 +218,9 @@ def test_text_before_a_tool_call_is_lost_and_splits_the_sample(route):
 
 def test_q20_crewai_through_the_harness(tmp_path):
     """`task.agent=tasks.q20.crewai_agent:q20_crewai_agent` selects it: an eval job (the runners and
-    route that training uses, without the GRPO step, which test_q20.py covers) on two games."""
-    result = harness(
-        tmp_path,
+    route that training uses, without the GRPO step, which test_q20.py covers) on two games. The job harness.py
+    runs, here in this process (agl.run): a harness process of its own would import torch and CrewAI again."""
+    agl.run(
         "model=tiny",
         "task=q20",
         "task.agent=tasks.q20.crewai_agent:q20_crewai_agent",
@@ -229,8 +228,8 @@ def test_q20_crewai_through_the_harness(tmp_path):
         "task.eval_size=2",
         "task.resources.max_turns=3",
         "task.max_tokens=8",
+        run_dir=tmp_path / "run",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     db = sqlite3.connect(tmp_path / "run" / "store.sqlite")
     calls = [json.loads(a) for (a,) in db.execute("SELECT attributes FROM spans WHERE name = 'llm.chat'")]
     assert {c["model"] for c in calls} == {"tiny", "base"}
