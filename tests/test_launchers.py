@@ -49,25 +49,27 @@ def agent(task, llm, prompt_template, **kwargs):
     agl.emit_metric("torch_threads", float(torch.get_num_threads()))
     return hello_agent(task, llm, prompt_template, **kwargs)
 """
-# The other job's agent module waits, as it is imported (early in the job), until the probe job is running,
-# then ends its job: so the two jobs overlap if, and only if, the launcher runs them at once (one at a time,
-# it gives up after 5 minutes and the overlap check fails), and both job dirs exist when it ends.
+# The other job's agent module waits, as it is imported (early in the job), until the probe job has started
+# (it runs, or it has ended already), then ends its job: so both job dirs exist when it ends, and the two jobs
+# overlap if, and only if, the launcher runs them at once (the check reads their start and end times). A probe
+# that has ended is not waited for: waiting could not make the jobs overlap any more (under load, the probe job
+# may end before this one's process has started; it once cost a test the wait's whole 5 minutes).
 WAIT_FOR_PROBE = """
 import json
 import time
 from pathlib import Path
 
 
-def running(status):
+def started(status):
     try:
-        return json.loads(status.read_text())["status"] == "running"
+        return json.loads(status.read_text())["status"] in ("running", "succeeded", "failed")
     except (OSError, ValueError):  # not written yet
         return False
 
 
 deadline = time.time() + 300  # a loaded machine can take minutes to start a job process
 sweeps = Path(__file__).parent / "outputs" / "multirun"
-while time.time() < deadline and not any(running(s) for s in sweeps.glob("*/*probe_agent*/status.json")):
+while time.time() < deadline and not any(started(s) for s in sweeps.glob("*/*probe_agent*/status.json")):
     time.sleep(0.05)
 """
 FAILING_AGENT = WAIT_FOR_PROBE + 'raise RuntimeError("failing_agent fails its job")\n'
