@@ -82,9 +82,13 @@ def run_suite(pytest_args: list[str]) -> tuple[list[dict], float, float, int]:
             )
             wall, total = time.perf_counter() - start, usage_s(group)
         finally:
-            try:
-                group.rmdir()
-            except OSError:  # a process a test left behind still runs in it
+            for _ in range(100):  # a process a test left behind (a forkserver, a runner) may take a moment to end
+                try:
+                    group.rmdir()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            else:
                 print(f"suite_cpu.py: {group} is left (a process still runs in it)", file=sys.stderr)
         rows = [json.loads(line) for line in Path(log.name).read_text().splitlines()]
     return rows, total, wall, done.returncode
