@@ -27,7 +27,14 @@ import time
 from pathlib import Path
 
 CGROUPS = Path("/sys/fs/cgroup/cpuacct")
-MAKEFILE_FRAMEWORKS = "langchain langchain-responses pydantic-ai pydantic-ai-responses openai-agents openai-agents-chat"
+
+
+def makefile_variable(root: Path, name: str) -> str:
+    """The value of a ``NAME := value`` line of the Makefile (the one home of, say, the frameworks a lane needs)."""
+    for line in (root / "Makefile").read_text().splitlines():
+        if line.startswith(f"{name} :="):
+            return line.split(":=", 1)[1].strip()
+    raise KeyError(f"no `{name} :=` line in {root / 'Makefile'}")
 
 
 def usage_s(group: Path) -> float:
@@ -69,7 +76,7 @@ def run_suite(pytest_args: list[str]) -> tuple[list[dict], float, float, int]:
             "AGL_SUITE_CPU_CGROUP": str(group),
             "PYTHONPATH": os.pathsep.join(filter(None, [bench, os.environ.get("PYTHONPATH")])),
         }
-        env.setdefault("AGL_REQUIRE_FRAMEWORKS", MAKEFILE_FRAMEWORKS)  # as `make test-main` sets it
+        env.setdefault("AGL_REQUIRE_FRAMEWORKS", makefile_variable(ROOT, "FRAMEWORKS_OPENAI3"))  # as make test-main
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-p", "suite_cpu"]
         start = time.perf_counter()
         try:
@@ -101,8 +108,9 @@ def report(rows: list[dict], total: float, wall: float, status: int, command: st
     by_file: dict[str, list[dict]] = collections.defaultdict(list)
     for row in rows:
         by_file[row["test"].split("::")[0]].append(row)
-    files = sorted(by_file.items(), key=lambda kv: -sum(r["cpu_s"] for r in kv[1]))
-    costly = [r for r in rows if r["cpu_s"] >= 5.0]
+    file_cpu = {name: sum(r["cpu_s"] for r in rs) for name, rs in by_file.items()}
+    costly_cpu = sum(r["cpu_s"] for r in rows if r["cpu_s"] >= 5.0)
+    costly = sum(1 for r in rows if r["cpu_s"] >= 5.0)
     lines = [
         "# Where the suite's CPU time goes",
         "",
@@ -112,8 +120,7 @@ def report(rows: list[dict], total: float, wall: float, status: int, command: st
         f"- **{total:.0f} CPU s** in all over {wall:.0f} s of wall time (pytest exit status {status}), "
         f"{len(rows)} tests; {in_tests:.0f} s inside tests (setup, call and teardown), "
         f"{total - in_tests:.0f} s outside them (start, collection, the end).",
-        f"- The {len(costly)} tests of 5 CPU s or more: {sum(r['cpu_s'] for r in costly):.0f} s "
-        f"({sum(r['cpu_s'] for r in costly) / total:.0%}).",
+        f"- The {costly} tests of 5 CPU s or more: {costly_cpu:.0f} s ({costly_cpu / total:.0%}).",
         "",
         f"## The {top} costliest tests",
         "",
@@ -129,8 +136,8 @@ def report(rows: list[dict], total: float, wall: float, status: int, command: st
         "| CPU s | share | tests | file |",
         "|---:|---:|---:|---|",
         *(
-            f"| {sum(r['cpu_s'] for r in rs):.1f} | {sum(r['cpu_s'] for r in rs) / total:.1%} | {len(rs)} | `{name}` |"
-            for name, rs in files
+            f"| {file_cpu[name]:.1f} | {file_cpu[name] / total:.1%} | {len(by_file[name])} | `{name}` |"
+            for name in sorted(file_cpu, key=lambda name: -file_cpu[name])
         ),
     ]
     return "\n".join(lines) + "\n"
@@ -146,8 +153,9 @@ def main() -> None:
     if not os.access(CGROUPS, os.W_OK):
         sys.exit(f"suite_cpu.py: needs root and a writable cgroup-v1 cpuacct controller ({CGROUPS})")
     rows, total, wall, status = run_suite(args.pytest_args)
-    command = "PYTHONPATH=. .venv/bin/python bench/suite_cpu.py" + "".join(f" -- {a}" for a in args.pytest_args[:1])
-    command += "".join(f" {a}" for a in args.pytest_args[1:])
+    command = "PYTHONPATH=. .venv/bin/python bench/suite_cpu.py"
+    if args.pytest_args:
+        command += " -- " + " ".join(args.pytest_args)
     text = report(rows, total, wall, status, command, args.top)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "suite_cpu.md").write_text(text)
