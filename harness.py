@@ -37,6 +37,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from agl.config import check_command_line, register_configs  # noqa: E402
 from agl.config.choices import register_help_resolver  # noqa: E402
+from agl.config.renamed import rename_overrides  # noqa: E402
 from agl.jobs.launchers import check_launcher  # noqa: E402
 from agl.report.sweep import job_dir_name, sweep_id  # noqa: E402
 
@@ -56,6 +57,8 @@ OmegaConf.register_new_resolver("agl_sweep_id", lambda: sweep_id(), use_cache=Tr
 OmegaConf.register_new_resolver("agl_job_dir", job_dir_name)
 register_help_resolver(os.path.join(ROOT, "conf"))  # --help's list of the groups' choices (conf/hydra/help/agl.yaml)
 register_configs()  # the typed schemas conf/'s defaults lists name (agl/config/schema.py)
+# keys renamed since (algo.loss_type -> algo.loss.type, ...): Hydra reads sys.argv, so it gets the new names
+sys.argv[1:], RENAMED = rename_overrides(sys.argv[1:])
 
 
 @hydra.main(config_path="conf", config_name="config", version_base="1.3")
@@ -63,6 +66,8 @@ def main(cfg: DictConfig) -> object:
     # Python's advice for programs: a log line that cannot be written (the run dir's harness.log on a full
     # disk) is dropped, not printed as a traceback; the job itself says what failed (agl.errors.DiskFull).
     logging.raiseExceptions = False
+    for line in RENAMED:  # one line each, in the run's log
+        logging.getLogger("agl").warning(line)
     # A launcher's worker process (submitit's) runs this function without running this file: put the
     # checkout on sys.path there too, as `python harness.py` does, so tasks/ (task=hello, ...) imports.
     if ROOT not in sys.path:

@@ -18,6 +18,7 @@ Hydra's logging setup (a notebook keeps its own logging).
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,7 +38,12 @@ def run(*overrides: str, run_dir: str | Path | None = None) -> object:
 
     release_freed_memory()  # as harness.py does (late here: what a heap holds already stays there)
     cap_kernel_caches()  # as harness.py does (no effect if torch already ran a matmul)
-    cfg = compose_config(overrides)
+    from agl.config.renamed import rename_overrides
+
+    overrides, renamed = rename_overrides(overrides)  # keys renamed since (algo.loss_type -> algo.loss.type, ...)
+    for line in renamed:
+        logging.getLogger("agl").warning(line)
+    cfg = compose_config(tuple(overrides))
     if not (cfg.get("resume") or cfg.get("report") or cfg.get("attach")):  # those name their own dir
         run_dir = Path(run_dir) if run_dir is not None else fresh_run_dir(cfg)
         save_config(cfg, overrides, run_dir)

@@ -61,7 +61,7 @@ def main() -> None:
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for name in ("on", "off") if round_ % 2 == 0 else ("off", "on"):
             update = grpo.GRPOUpdate(
-                policy, grpo.GRPOConfig(lr=0.0, loss_type="dapo", gradient_checkpointing=name == "on")
+                policy, grpo.GRPOConfig(lr=0.0, loss={"type": "dapo"}, gradient_checkpointing=name == "on")
             )
             start = time.perf_counter()
             metrics = update.step(samples, advantages)

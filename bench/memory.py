@@ -228,7 +228,8 @@ def phases_child(variant: dict, decode_prompts: int, decode_batch: int) -> dict:
 
     from agl.config import GRPOConfig, SFTConfig
     from agl.policy.engine import Engine, SamplingParams
-    from agl.train.grpo import GRPOUpdate, advantages
+    from agl.train.advantages import ESTIMATORS, advantages
+    from agl.train.grpo import GRPOUpdate
     from agl.train.samples import Sample
     from agl.train.sft import render_demonstration, sft_loss_and_backward
     from bench.common import gsm8k_prompts, load_model
@@ -388,7 +389,7 @@ def phases_child(variant: dict, decode_prompts: int, decode_batch: int) -> dict:
             )
             for i, s in enumerate(seqs)
         ]
-        advs, _ = advantages(samples, grpo.scale_rewards)
+        advs, _ = advantages(samples, ESTIMATORS.get(grpo.advantage))
         update = GRPOUpdate(policy, grpo)
         saved = SavedTensors()
 

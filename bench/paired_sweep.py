@@ -1,7 +1,7 @@
 """A sweep's jobs compared on the same eval tasks: each job's final greedy eval against the base
 model and against one reference job, by McNemar's exact test (agl.eval.stats), with Wilson intervals.
 
-    PYTHONPATH=. .venv/bin/python bench/paired_sweep.py <sweep dir> --vary algo.loss_type --reference grpo \
+    PYTHONPATH=. .venv/bin/python bench/paired_sweep.py <sweep dir> --vary algo.loss.type --reference grpo \
         --score says_identity --score reward --out bench/results/loss_sweep.md
 
 ``--samples N`` adds, for each job against the reference, up to N of the tasks they score differently, with both
@@ -103,7 +103,7 @@ def differing_samples(ref_name: str, reference: Job, name: str, job: Job, n: int
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("sweep", type=Path)
-    parser.add_argument("--vary", required=True, help="the override the jobs differ in, e.g. algo.loss_type")
+    parser.add_argument("--vary", required=True, help="the override the jobs differ in, e.g. algo.loss.type")
     parser.add_argument("--reference", required=True, help="its value the others are compared with, e.g. grpo")
     parser.add_argument(
         "--score", action="append", default=[], help="a 0/1 score of the evals (repeat: the first a task has)"

@@ -153,16 +153,16 @@ class PeakRSS:
 
 def run_step(policy, samples: list, planner: str) -> dict:
     import agl.train.grpo as grpo
+    import agl.train.micro_batches as micro_batches
 
-    config = grpo.GRPOConfig(
-        lr=0.0, loss_type="dapo", epsilon_high=None
-    )  # the defaults: micro_batch_size, micro_batch_tokens as in grpo.yaml
-    plan_fn = grpo.plan_micro_batches
+    # the defaults: micro_batch_size, micro_batch_tokens as in grpo.yaml
+    config = grpo.GRPOConfig(lr=0.0, loss={"type": "dapo", "epsilon_high": None})
+    plan_fn = micro_batches.plan_micro_batches
     if planner == "old":
         config.micro_batch_size, config.micro_batch_tokens = 8, None
-        grpo.plan_micro_batches = old_plan
+        micro_batches.plan_micro_batches = old_plan
     try:
-        plan = grpo.plan_micro_batches(samples, config.micro_batch_size, config.micro_batch_tokens)
+        plan = micro_batches.plan_micro_batches(samples, config.micro_batch_size, config.micro_batch_tokens)
         update = grpo.GRPOUpdate(policy, config)
         advantages = [1.0 if j % 2 else -1.0 for j in range(len(samples))]
         with PeakRSS() as rss:
@@ -170,7 +170,7 @@ def run_step(policy, samples: list, planner: str) -> dict:
             metrics = update.step(samples, advantages)
             seconds = time.perf_counter() - start
     finally:
-        grpo.plan_micro_batches = plan_fn
+        micro_batches.plan_micro_batches = plan_fn
     return {
         "step_s": seconds,
         "forward_s": metrics["forward_s"],

@@ -151,6 +151,24 @@ def run(run_dir: Path, *extra: str, device: str = "cpu", eval_cache: Path | None
     return run_dir
 
 
+def as_saved_before_the_renames(run_dir: Path) -> None:
+    """Rewrite ``run_dir``'s saved config as runs saved it before the loss and advantage registries and the layout
+    change: ``algo``'s flat loss keys at the defaults of the time (``loss_type: dapo``, ``epsilon``, ...,
+    ``scale_rewards: group``), and ``agl.sweep.SweepSummary`` (a module gone since) as Hydra's callback."""
+    import yaml
+
+    config_file, hydra_file = run_dir / ".hydra" / "config.yaml", run_dir / ".hydra" / "hydra.yaml"
+    config = yaml.safe_load(config_file.read_text())
+    algo = config["algo"]
+    assert algo.pop("loss") == {"type": "dapo"} and algo.pop("advantage") == "grpo"
+    algo.update(loss_type="dapo", scale_rewards="group", epsilon=0.2, epsilon_high=0.28)
+    algo.update(opmd_tau=1.0, sapo_tau_pos=1.0, sapo_tau_neg=1.05)
+    config_file.write_text(yaml.safe_dump(config, sort_keys=False))
+    hydra = hydra_file.read_text()
+    assert "agl.report.sweep.SweepSummary" in hydra
+    hydra_file.write_text(hydra.replace("agl.report.sweep.SweepSummary", "agl.sweep.SweepSummary"))
+
+
 def adapter(run_dir: Path) -> bytes:
     return (run_dir / "adapter" / "adapter_model.safetensors").read_bytes()
 

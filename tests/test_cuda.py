@@ -101,7 +101,7 @@ def test_the_samplers_and_the_trainers_logprobs_agree_in_bf16(tiny_model_cfg, de
     with torch.no_grad():  # logits spread like a trained model's (entropy ~3 nats at T=1 here), not near-uniform
         policy.model.get_input_embeddings().weight.mul_(10)  # tied: the output layer too
     samples = sampled(policy)
-    update = GRPOUpdate(policy, GRPOConfig(lr=0.0, loss_type="grpo", micro_batch_size=4, old_logprobs="recorded"))
+    update = GRPOUpdate(policy, GRPOConfig(lr=0.0, loss={"type": "grpo"}, micro_batch_size=4, old_logprobs="recorded"))
     metrics = update.step(samples, [0.5, -0.5] * (len(samples) // 2))
     assert metrics["train_tokens"] == sum(len(s.completion_ids) for s in samples)
     assert 0 < metrics["logprob_diff_abs"] <= 0.03, metrics["logprob_diff_abs"]
@@ -178,7 +178,7 @@ def test_a_decode_step_and_an_update_keep_their_work_on_the_device(tiny_model_cf
     wide = [c for c in found if c.numel > mask.numel()]
     assert [c.numel for c in wide] == ([3 * vocabulary] if device != "cpu" else []), found
     # an update
-    update = GRPOUpdate(policy, GRPOConfig(lr=1e-3, loss_type="grpo", micro_batch_size=4))
+    update = GRPOUpdate(policy, GRPOConfig(lr=1e-3, loss={"type": "grpo"}, micro_batch_size=4))
     tokens_in_batch = len(samples) * max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     with crossings() as found:
         update.step(samples, [1.0, -1.0] * (len(samples) // 2))

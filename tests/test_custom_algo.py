@@ -197,7 +197,7 @@ async def probe(store, llm, cfg, run_dir, eval_rows, runtime, greeting, **rest):
 def test_agl_run_passes_what_the_function_asks_for(tmp_path):
     run_dir = tmp_path / "run"
     result = agl.run(
-        *MARKED, "algo.fn=test_custom_algo:probe", "+algo.args.greeting=hi", "task.eval_size=3", run_dir=run_dir
+        *MARKED, "algo.fn=test_custom_algo:probe", "algo.args.greeting=hi", "task.eval_size=3", run_dir=run_dir
     )
     assert result["rest"] == ["rows", "task"]  # **rest: what agl passes and the named parameters did not take
     assert (

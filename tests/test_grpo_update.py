@@ -8,11 +8,13 @@ import torch
 
 from agl.config import GRPOConfig, compose_checked
 from agl.policy.load import load_policy
+from agl.train.advantages import ESTIMATORS, advantages, drop_groups
 from agl.train.forward import completion_logprobs
-from agl.train.grpo import GRPOUpdate, advantages, drop_groups
-from agl.train.loss import LOSS_TYPES
-from agl.train.micro_batches import TokenBatch, plan_micro_batches
+from agl.train.grpo import GRPOUpdate
+from agl.train.loss import resolve_loss
+from agl.train.micro_batches import plan_micro_batches
 from agl.train.samples import Sample
+from agl.train.token_batch import TokenBatch
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +91,7 @@ def test_one_update_step_changes_only_the_lora_and_drops_zero_std_groups(policy)
     prompt = list(range(100, 120))
     good = make_samples(prompt, [[5, 6, 7], [8, 9], [10], [11, 12]], [1.0, 0.0, 0.0, 1.0], group="good")
     flat = make_samples(prompt[:5], [[5], [6]], [0.5, 0.5], group="flat")
-    advs, flat_groups = advantages(good + flat, "group")
+    advs, flat_groups = advantages(good + flat, ESTIMATORS.get("grpo"))
     assert flat_groups == {"flat"} and advs[4:] == [0.0, 0.0]
     kept, advs = drop_groups(good + flat, advs, flat_groups)
     assert [s.group for s in kept] == ["good"] * 4
@@ -97,7 +99,8 @@ def test_one_update_step_changes_only_the_lora_and_drops_zero_std_groups(policy)
     frozen = {n: p.detach().clone() for n, p in policy.model.named_parameters() if not p.requires_grad}
     lora = {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
     update = GRPOUpdate(
-        policy, GRPOConfig(lr=1e-2, loss_type="grpo", epsilon_high=None, micro_batch_size=3, old_logprobs="recompute")
+        policy,
+        GRPOConfig(lr=1e-2, loss={"type": "grpo", "epsilon_high": None}, micro_batch_size=3, old_logprobs="recompute"),
     )
     metrics = update.step(kept, advs)
     assert metrics["train_tokens"] == 8 and metrics["ratio_mean"] == pytest.approx(1.0, abs=1e-5)
@@ -109,11 +112,11 @@ def test_one_update_step_changes_only_the_lora_and_drops_zero_std_groups(policy)
 def test_one_update_step_with_each_new_loss_type_changes_the_lora(policy, loss_type):
     prompt = list(range(200, 215))
     samples = make_samples(prompt, [[5, 6, 7], [8, 9], [10], [11, 12]], [1.0, 0.0, 0.0, 1.0], group=loss_type)
-    kept, (advs, _) = samples, advantages(samples, "group")
+    kept, (advs, _) = samples, advantages(samples, ESTIMATORS.get("grpo"))
     lora = {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
     # recorded log-probs (-1.0 here, far from the tiny model's ~-10.8) make the step off-policy,
     # so the clip (cispo) and the gate (sapo) are away from r = 1; opmd ignores them.
-    update = GRPOUpdate(policy, GRPOConfig(lr=1e-2, loss_type=loss_type, micro_batch_size=3, epsilon_high=0.28))
+    update = GRPOUpdate(policy, GRPOConfig(lr=1e-2, loss={"type": loss_type}, micro_batch_size=3))
     metrics = update.step(kept, advs)
     assert metrics["train_tokens"] == 8
     assert all(map(math.isfinite, (metrics["loss"], metrics["grad_norm"]))) and metrics["grad_norm"] > 0
@@ -122,18 +125,12 @@ def test_one_update_step_with_each_new_loss_type_changes_the_lora(policy, loss_t
     assert any(not torch.equal(p, lora[n]) for n, p in policy.model.named_parameters() if p.requires_grad)
 
 
-def test_loss_coefficients_default_alike_in_grpo_config_and_the_yaml():
-    yaml = compose_checked(
-        str(Path(__file__).parent.parent / "conf"), ["algo=grpo"]
-    ).algo  # composed: the keys live in GRPOConfig
-    config = GRPOConfig.from_cfg({k: yaml[k] for k in ("opmd_tau", "sapo_tau_pos", "sapo_tau_neg")})
+def test_the_yaml_composes_the_default_loss_and_advantage():
+    yaml = compose_checked(str(Path(__file__).parent.parent / "conf"), ["algo=grpo"]).algo
     default = GRPOConfig()
-    assert (config.opmd_tau, config.sapo_tau_pos, config.sapo_tau_neg) == (
-        default.opmd_tau,
-        default.sapo_tau_pos,
-        default.sapo_tau_neg,
-    )
-    assert yaml.loss_type in LOSS_TYPES and default.loss_type in LOSS_TYPES
+    assert yaml.loss == default.loss == {"type": "dapo"} and yaml.advantage == default.advantage == "grpo"
+    loss, params = resolve_loss(yaml.loss)
+    assert (loss.name, loss.weighting, params.epsilon, params.high) == ("dapo", "token-mean", 0.2, 0.28)
 
 
 def planner_samples(groups: list[tuple[int, list[int]]]) -> list[Sample]:
@@ -212,7 +209,8 @@ def test_the_planner_cuts_a_group_by_length_only_where_padding_outweighs_a_pass(
 def lora_grads_after_step(policy, samples, advs, **config) -> tuple[dict, dict]:
     """(metrics, the LoRA's accumulated gradients) of one step that leaves the LoRA as it was."""
     update = GRPOUpdate(
-        policy, GRPOConfig(**{"loss_type": "grpo", "epsilon_high": None, "lr": 0.0, "max_grad_norm": 1e9, **config})
+        policy,
+        GRPOConfig(**{"loss": {"type": "grpo", "epsilon_high": None}, "lr": 0.0, "max_grad_norm": 1e9, **config}),
     )
     metrics = update.step(samples, advs)
     return metrics, lora_grads(policy)
@@ -247,7 +245,7 @@ def test_a_group_cut_into_micro_batches_gives_the_loss_and_gradients_of_one_pass
     if output == "model logits":
         monkeypatch.setattr(agl.train.forward, "_head_gives_logits", lambda policy: False)
     samples, advs = two_groups_and_a_single(seed=3)
-    config = dict(loss_type="grpo", beta=0.1, old_logprobs="recompute")
+    config = dict(beta=0.1, old_logprobs="recompute")
     whole_plan = plan_micro_batches(samples)
     assert len(whole_plan) == 3  # each group in one pass, and the single
     whole, whole_grads = lora_grads_after_step(policy, samples, advs, micro_batch_tokens=None, **config)
@@ -290,7 +288,7 @@ def test_gradient_checkpointing_gives_the_loss_and_gradients_of_kept_activations
         agl.train.activation_checkpointing, "checkpoint", lambda *a, **k: replays.append(1) or real_checkpoint(*a, **k)
     )
     samples, advs = two_groups_and_a_single(seed=4)
-    config = dict(loss_type="grpo", micro_batch_tokens=micro_batch_tokens)
+    config = dict(micro_batch_tokens=micro_batch_tokens)
     kept, kept_grads = lora_grads_after_step(policy, samples, advs, gradient_checkpointing=False, **config)
     assert not replays
     replayed, replayed_grads = lora_grads_after_step(policy, samples, advs, gradient_checkpointing=True, **config)

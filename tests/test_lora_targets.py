@@ -23,9 +23,9 @@ from agl.policy.sampler_weights import MergedSampler
 from agl.policy.weights import resolve_model_path
 from agl.train.forward import completion_logprobs, fused_head
 from agl.train.grpo import GRPOUpdate
-from agl.train.micro_batches import TokenBatch
 from agl.train.resume import adapter_bytes, load_adapter_bytes
 from agl.train.samples import Sample
+from agl.train.token_batch import TokenBatch
 
 PROMPT = list(range(100, 120))
 IDS = torch.tensor([PROMPT + [5, 6, 7]])  # tokens the training steps saw: their embedding rows have a LoRA delta
@@ -101,7 +101,8 @@ def trained(request, tiny_model_cfg):
     policy = load_policy(cfg, "cpu")
     before = {n: p.detach().clone() for n, p in vocabulary_lora(policy).items()}
     update = GRPOUpdate(
-        policy, GRPOConfig(lr=1e-2, loss_type="grpo", epsilon_high=None, micro_batch_size=4, old_logprobs="recompute")
+        policy,
+        GRPOConfig(lr=1e-2, loss={"type": "grpo", "epsilon_high": None}, micro_batch_size=4, old_logprobs="recompute"),
     )
     for _ in range(2):
         update.step(samples(), [1.0, -1.0, -1.0, 1.0])

@@ -40,8 +40,7 @@ def step_grads(policy, merged: bool, **config) -> tuple[dict, dict]:
     policy.model.zero_grad(set_to_none=True)
     samples, advs = two_groups_and_a_single(seed=5)
     cfg = {
-        "loss_type": "grpo",
-        "epsilon_high": None,
+        "loss": {"type": "grpo", "epsilon_high": None},
         "lr": 0.0,
         "max_grad_norm": 1e9,
         "micro_batch_tokens": 40,

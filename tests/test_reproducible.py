@@ -13,7 +13,19 @@ import shutil
 import signal
 import time
 
-from runs import ROLLOUTS_PER_STEP, RUN, STEPS, adapter, finish, harness, job_started, metrics, query, run
+from runs import (
+    ROLLOUTS_PER_STEP,
+    RUN,
+    STEPS,
+    adapter,
+    as_saved_before_the_renames,
+    finish,
+    harness,
+    job_started,
+    metrics,
+    query,
+    run,
+)
 
 SPANS = (
     "SELECT rollout_id, attempt_id, sequence_id, name, prompt_token_ids, response_token_ids, response_logprobs "
@@ -50,7 +62,9 @@ def test_kill_9_anywhere_changes_nothing(reference, tmp_path, device):
     """Killed at two random moments, then inside a rollout, inside the last GRPO update and inside a
     checkpoint write (so the last resume restores a GRPO optimizer that has state), resumed each time: the
     adapter bytes and metrics of the uninterrupted run, every step trained once, and an interrupted step's
-    rollouts reused rather than enqueued again."""
+    rollouts reused rather than enqueued again. After the first kill, the run dir's saved config is rewritten as
+    runs saved it before the loss registry (flat loss keys, a Hydra callback by its old module): resumed from it,
+    the run is still the same run."""
     run_dir, evals = tmp_path / "killed", tmp_path / "evals"  # an empty eval cache: kills may land in the evals
     rng = random.Random(int(os.environ.get("AGL_TEST_KILL_SEED", "0")))
     duration = json.loads((reference / "status.json").read_text())["duration_s"]  # the job, model loaded
@@ -75,6 +89,8 @@ def test_kill_9_anywhere_changes_nothing(reference, tmp_path, device):
         checkpoints_at_kill.append(
             (point, [step for (step,) in query(run_dir, "SELECT step FROM checkpoints ORDER BY step")])
         )
+        if len(checkpoints_at_kill) == 1:
+            as_saved_before_the_renames(run_dir)
         upcoming = {"random": "", "rollout": last_update, last_update: "checkpoint", "checkpoint": ""}
         next_point = "rollout" if len(checkpoints_at_kill) == 2 else upcoming[point]
         proc = harness(f"resume={run_dir}", kill=next_point, eval_cache=evals)

@@ -21,9 +21,10 @@ from test_server import MODEL, USER, forced_tokens, served  # noqa: F401  (serve
 from agl.config import GRPOConfig
 from agl.policy.grammar import Grammar, GrammarState, policy_grammar_tokenizer, replay
 from agl.train.forward import completion_logprobs
-from agl.train.grpo import GRPOUpdate, grammar_masks
-from agl.train.micro_batches import TokenBatch
+from agl.train.grpo import GRPOUpdate
+from agl.train.micro_batches import grammar_masks
 from agl.train.samples import spans_to_samples
+from agl.train.token_batch import TokenBatch
 
 DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
 ADD = {
@@ -274,7 +275,7 @@ def test_the_trainer_masks_its_log_probs_as_the_sampler_did(served):
                 unmasked_BT, _ = completion_logprobs(policy, TokenBatch.build(samples, 2, False))
             assert (unmasked_BT[real_BT] - logp_BT[real_BT]).abs().max() > 1.0
         assert served.idle()
-        update = GRPOUpdate(policy, GRPOConfig(lr=0.0, weight_decay=0.0, loss_type="grpo"))
+        update = GRPOUpdate(policy, GRPOConfig(lr=0.0, weight_decay=0.0, loss={"type": "grpo"}))
         metrics = update.step(samples, [1.0, -1.0])
         assert metrics["constrained_tokens"] == (
             sum(map(sum, (s.mask for s in samples))) if kind == "structured" else 0

@@ -129,7 +129,8 @@ def table(schema: type, prefix: str, defaults: dict[str, Any], sets: dict[str, A
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for f, path, nested in rows:
         if nested is None:
-            default = value_text(defaults.get(path))
+            inside = {k[len(path) + 1 :]: v for k, v in defaults.items() if k.startswith(path + ".")}
+            default = value_text(defaults[path] if path in defaults or not inside else inside)
         else:  # its own table follows
             default = "`null`" if defaults.get(path, "") is None else ""
             default += (", " if default else "") + f"[`{path}.*`](#{anchor(path + '.*')})"

@@ -33,11 +33,12 @@ from agl.errors import ConfigError
 NO_API_KEY = "agl"  # what clients send when server.api_key is null (the route then checks no key)
 
 
-def doc(default: Any, text: str) -> Any:
+def doc(default: Any, text: str, open_keys: bool = False) -> Any:
     """A schema key: its default, and its doc in the field's metadata (``metadata["doc"]``), where code reads it:
     ``python -m agl.config.reference`` writes docs/config-reference.md from these. A list, a dict or a nested config
-    as the default is copied for each instance (dataclasses' ``default_factory``)."""
-    metadata = {"doc": text}
+    as the default is copied for each instance (dataclasses' ``default_factory``). ``open_keys``: a mapping whose
+    keys a command line sets without ``+`` (``algo.loss.tau_pos=1.0``); what it holds is checked by its user."""
+    metadata = {"doc": text, "open_keys": open_keys}
     if isinstance(default, (list, dict)) or dataclasses.is_dataclass(default):
         return field(default_factory=lambda: copy.deepcopy(default), metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -270,8 +271,21 @@ class TaskConfig:
 
 ALGO_NAME = "which algo runs: set by conf/algo/<name>.yaml, read by agl/jobs/dispatch.py"
 
+ALGO_SCHEMAS: dict[str, type] = {}  # algo.name -> its schema, filled by @algorithm
 
-@dataclasses.dataclass
+
+def algorithm(cls: type) -> type:
+    """An ``algo=<name>`` schema: a dataclass whose ``name`` defaults to <name>, registered in ``ALGO_SCHEMAS``.
+
+    An algorithm is three files: this schema; ``conf/algo/<name>.yaml``, whose defaults list starts with
+    ``<name>_schema``; and ``agl/jobs/<name>.py``, whose ``run(config, run_dir)`` runs it."""
+    cls = dataclasses.dataclass(cls)
+    name = next(f.default for f in dataclasses.fields(cls) if f.name == "name")
+    ALGO_SCHEMAS[name] = cls
+    return cls
+
+
+@algorithm
 class SFTConfig:
     """``algo=sft`` (agl/train/sft.py), and ``algo.warmup`` of ``algo=grpo``."""
 
@@ -298,7 +312,7 @@ class SFTConfig:
     max_tokens: int = doc(128, "for the evals; the yaml: ${task.max_tokens}")
 
 
-@dataclasses.dataclass
+@algorithm
 class GRPOConfig:
     """``algo=grpo``: one step = batch_size tasks x group_size rollouts, then one update (agl/train/grpo.py)."""
 
@@ -307,13 +321,17 @@ class GRPOConfig:
     batch_size: int = doc(4, "B: tasks per step")
     group_size: int = doc(8, "G: rollouts per task, compared with each other")
     lr: float = doc(2e-4, "AdamW learning rate")
-    loss_type: str = doc("dapo", "grpo | dr_grpo | dapo | gspo | cispo | sapo | opmd (agl/train/loss.py's docstring)")
-    scale_rewards: str = doc(
-        "group", "group | batch | none: divide each group's centred rewards by the group's std, the batch's, or not"
+    loss: dict[str, Any] = doc(
+        {"type": "dapo"},
+        "the policy loss: type (a registered loss: grpo | dr_grpo | dapo | gspo | cispo | sapo | opmd, or "
+        "module:function) and that loss's parameters, e.g. algo.loss.type=sapo algo.loss.tau_pos=1.0 "
+        '(docs/algorithms.md "Losses")',
+        open_keys=True,
     )
-    epsilon: float = doc(0.2, "the clip range's lower side: the ratio is clipped below at 1 - epsilon")
-    epsilon_high: Optional[float] = doc(
-        0.28, "the clip range's upper side (1 + epsilon_high; DAPO's clip-higher); None: epsilon"
+    advantage: str = doc(
+        "grpo",
+        "the advantage estimator: grpo | grpo_batch | dr_grpo | rloo, or module:function "
+        '(docs/algorithms.md "Advantages")',
     )
     beta: float = doc(0.0, "KL weight against the base model (adapter off); 0 skips the reference pass")
     num_iterations: int = doc(1, "mu: optimizer passes over each batch")
@@ -335,9 +353,6 @@ class GRPOConfig:
     mask_truncated: bool = doc(False, "true: completions cut by max_tokens carry no loss")
     drop_zero_std: bool = doc(True, "skip groups whose rewards are all equal: they teach nothing")
     weight_decay: float = doc(0.0, "AdamW weight decay")
-    opmd_tau: float = doc(1.0, "loss_type=opmd: loss / (1 + tau) (Trinity-RFT's default)")
-    sapo_tau_pos: float = doc(1.0, "loss_type=sapo: soft-gate temperature for advantages > 0 (SAPO paper / TRL)")
-    sapo_tau_neg: float = doc(1.05, "loss_type=sapo: ... and for advantages <= 0 (sharper gate)")
     temperature: float = doc(0.8, "sampling temperature of the rollouts")
     top_p: float = doc(1.0, "nucleus sampling of the rollouts; 1.0: off")
     max_tokens: int = doc(128, "per LLM call of a rollout; the yaml: ${task.max_tokens}")
@@ -351,7 +366,7 @@ class GRPOConfig:
         return cls(**{k: v for k, v in dict(cfg).items() if k in names})
 
 
-@dataclasses.dataclass
+@algorithm
 class EvalConfig:
     """``algo=eval`` (agl/jobs/eval.py)."""
 
@@ -366,7 +381,7 @@ class EvalConfig:
     pass_threshold: float = doc(1.0, "a try passes when its reward is >= this")
 
 
-@dataclasses.dataclass
+@algorithm
 class PromptSearchConfig:
     """``algo=prompt_search`` (agl/jobs/prompt_search.py): score each prompt template on the same tasks, rank them."""
 
@@ -380,19 +395,21 @@ class PromptSearchConfig:
     bootstrap: int = doc(2000, "resamples for the bootstrap 95% interval")
 
 
-@dataclasses.dataclass
+@algorithm
 class CustomConfig:
     """``algo=custom`` (agl/jobs/custom.py): the user's own ``async def`` on the run's store, runners and route."""
 
     name: str = doc("custom", ALGO_NAME)
     fn: Optional[str] = doc(None, "required: module:function")
-    args: dict[str, Any] = doc({}, "more keyword arguments for fn, e.g. +algo.args.tasks_per_prompt=8")
+    args: dict[str, Any] = doc(
+        {}, "keyword arguments for fn, checked against its signature, e.g. algo.args.tasks_per_prompt=8", open_keys=True
+    )
     temperature: float = doc(0.0, 'for rollouts whose metadata has no "sampling"; 0 = greedy')
     top_p: float = doc(1.0, 'for rollouts whose metadata has no "sampling"; 1.0: off')
     max_tokens: int = doc(128, "per LLM call; the yaml: ${task.max_tokens}")
 
 
-@dataclasses.dataclass
+@algorithm
 class ServeConfig:
     """``algo=serve`` (agl/jobs/serve.py): the policy on the route until Ctrl-C; ``server.*`` sets where it listens."""
 
@@ -400,7 +417,7 @@ class ServeConfig:
     record: bool = doc(True, "every call into the run dir's store.sqlite (token ids, logprobs, request)")
 
 
-@dataclasses.dataclass
+@algorithm
 class ExportConfig:
     """``algo=export`` (agl/jobs/export.py): model.adapter merged into the full-precision base, as HF and GGUF."""
 
@@ -412,7 +429,7 @@ class ExportConfig:
     gguf: bool = doc(True, "false: the HF dir only")
 
 
-@dataclasses.dataclass
+@algorithm
 class RunnerJobConfig:
     """``algo=runner attach=<run dir>`` (agl/agents/attach.py): join a running job; ``runner.*`` sets how many
     rollouts at once."""
@@ -420,24 +437,12 @@ class RunnerJobConfig:
     name: str = doc("runner", ALGO_NAME)
 
 
-@dataclasses.dataclass
+@algorithm
 class InfoConfig:
     """``algo=info`` (agl/jobs/dispatch.py): load the model, print parameter counts and memory, exit."""
 
     name: str = doc("info", ALGO_NAME)
 
-
-ALGO_SCHEMAS: dict[str, type] = {
-    "grpo": GRPOConfig,
-    "sft": SFTConfig,
-    "eval": EvalConfig,
-    "prompt_search": PromptSearchConfig,
-    "custom": CustomConfig,
-    "serve": ServeConfig,
-    "export": ExportConfig,
-    "runner": RunnerJobConfig,
-    "info": InfoConfig,
-}
 
 SCHEMAS: dict[tuple[str | None, str], type] = {
     (None, "config_schema"): Config,
@@ -458,8 +463,23 @@ def register_configs() -> None:
     from hydra.core.config_store import ConfigStore
 
     store = ConfigStore.instance()
-    for (group, name), node in SCHEMAS.items():
-        store.store(group=group, name=name, node=node)
+    for (group, name), schema in SCHEMAS.items():
+        store.store(group=group, name=name, node=with_open_keys(OmegaConf.structured(schema)))
+
+
+def with_open_keys(node: DictConfig) -> DictConfig:
+    """``node`` with its ``open_keys`` mappings (``doc(..., open_keys=True)``) out of struct mode, at any depth: Hydra
+    then takes ``algo.loss.tau_pos=1.0`` without a ``+``, as if the key were in the schema."""
+    schema = OmegaConf.get_type(node)
+    if not dataclasses.is_dataclass(schema):
+        return node
+    for f in dataclasses.fields(schema):
+        child = node._get_node(f.name)
+        if f.metadata.get("open_keys") and isinstance(child, DictConfig):
+            OmegaConf.set_struct(child, False)
+        elif isinstance(child, DictConfig):
+            with_open_keys(child)
+    return node
 
 
 def with_schema(saved: DictConfig) -> DictConfig:

@@ -23,7 +23,8 @@ The contract:
                  calls (served, not recorded)
       runtime    the ``Runtime``: ``policy``, ``engine``, ``run_rollouts(...)``, ``resources_id(...)``
       run_dir    the run's directory, for the function's own files
-    and every key of ``algo.args`` (``+algo.args.name=value``); a ``**kwargs`` parameter gets all of
+    and every key of ``algo.args`` (``algo.args.name=value``), converted to the type its parameter is
+    annotated with (pydantic's rules: ``k: int`` takes 8, not "eight"); a ``**kwargs`` parameter gets all of
     them. A required parameter that is neither, an ``algo.args`` key the function does not take,
     or a missing, unimportable or non-async ``algo.fn`` is a ConfigError before the model loads.
   * A rollout whose metadata has no ``"sampling"`` is decoded with ``algo.temperature``,
@@ -42,10 +43,12 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from pydantic import TypeAdapter, ValidationError
 from pydantic_core import to_jsonable_python
 
 from agl.agents.api import LLM
@@ -108,7 +111,7 @@ def load_algorithm(algo: Any) -> tuple[Callable, list[str]]:
     if missing := [n for n in required if n not in PROVIDED and n not in args]:
         raise ConfigError(
             f"algo.fn '{spec}' needs {missing}: agl passes only {', '.join(PROVIDED)}; "
-            f"give the others in algo.args, e.g. +algo.args.{missing[0]}=..."
+            f"give the others in algo.args, e.g. algo.args.{missing[0]}=..."
         )
     return fn, list(PROVIDED) if takes_all else [n for n in params if n in PROVIDED]
 
@@ -123,10 +126,26 @@ class CustomRuntime(Runtime):
         return sampling_of(self.config.algo)
 
 
+def typed_args(fn: Callable, args: dict[str, Any]) -> dict[str, Any]:
+    """``algo.args`` as the types ``fn`` annotates its parameters with; a value that does not fit is a ConfigError
+    naming the key. Unannotated parameters, and those ``**kwargs`` takes, get the values as the config has them."""
+    try:
+        hints = typing.get_type_hints(fn)
+    except Exception:  # an annotation that does not resolve: the values go as they are
+        hints = {}
+    out = {}
+    for name, value in args.items():
+        try:
+            out[name] = TypeAdapter(hints[name]).validate_python(value) if name in hints else value
+        except ValidationError as error:
+            raise ConfigError(f"algo.args.{name}={value!r}: {error.errors()[0]['msg']} ({hints[name]})") from None
+    return out
+
+
 async def run_custom(config: Config, run_dir: Path) -> Any:
     algo = typed(CustomConfig, config.algo)
     fn, provided = load_algorithm(algo)
-    args = plain(algo.args)
+    args = typed_args(fn, plain(algo.args))
     runtime = CustomRuntime.of(config, run_dir)
     runtime.config = config
     async with runtime as rt:

@@ -26,7 +26,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from agl.config import Config, check_server_exposure, config_record, to_typed, with_schema
+from agl.config import ALGO_SCHEMAS, Config, check_server_exposure, config_record, to_typed, with_schema
+from agl.config.renamed import rename_saved
 from agl.errors import ConfigError, DiskFull, disk_full_in
 from agl.jobs.launchers import apply_threads
 from agl.jobs.run_lock import RunDirBusy, holding_run_dir
@@ -38,24 +39,10 @@ from agl.seeding import seed_everything
 log = logging.getLogger(__name__)
 
 
-# algo.name -> the module under agl/jobs/ whose ``run(cfg, run_dir)`` runs it (imported when it runs:
-# report= and a launcher's checks load no torch)
-JOBS = {
-    "info": "info",
-    "grpo": "grpo",
-    "eval": "eval",
-    "prompt_search": "prompt_search",
-    "sft": "sft",
-    "custom": "custom",
-    "serve": "serve",
-    "export": "export",
-    "runner": "runner",
-}
-
-
 def job_function(name: str) -> Callable[[Config, Path], object]:
-    """The ``run`` of the job ``algo.name`` names."""
-    return importlib.import_module(f"agl.jobs.{JOBS[name]}").run
+    """The ``run(config, run_dir)`` of ``agl.jobs.<name>``: every algorithm with a schema (``ALGO_SCHEMAS``) has
+    its job module of the same name. Imported when the job runs: report= and a launcher's checks load no torch."""
+    return importlib.import_module(f"agl.jobs.{name}").run
 
 
 def resumed_config(cfg: DictConfig) -> DictConfig:
@@ -64,7 +51,8 @@ def resumed_config(cfg: DictConfig) -> DictConfig:
     saved = run_dir / ".hydra" / "config.yaml"
     if not saved.is_file():
         raise ConfigError(f"resume='{cfg.resume}' is not a run dir (no {saved})")
-    original = with_schema(OmegaConf.load(saved))  # keys added since the run started take their defaults
+    # keys renamed since the run started are mapped; keys added since then take their defaults
+    original = with_schema(rename_saved(OmegaConf.load(saved)))
     original.resume = str(run_dir)
     return original
 
@@ -110,8 +98,8 @@ def run_job(cfg: DictConfig) -> object:
             else Path(cfg.get("run_dir") or cfg.get("attach") or ".")
         )
     name = cfg.algo.name
-    if name not in JOBS:
-        raise ConfigError(f"algo '{name}' has no job; known: {', '.join(sorted(JOBS))}")
+    if name not in ALGO_SCHEMAS:
+        raise ConfigError(f"algo '{name}' has no job; known: {', '.join(sorted(ALGO_SCHEMAS))}")
     if cfg.get("attach") and name != "runner":
         raise ConfigError(f"attach= joins a running job as a runner process: use it with algo=runner, not algo={name}")
     threads = apply_threads(

@@ -8,10 +8,12 @@ from pathlib import Path
 from agl.config import Config
 from agl.jobs.ending import job_ending
 from agl.runtime import Runtime
+from agl.train.grpo import check_update
 from agl.train.grpo_trainer import GRPOTrainer
 
 
 async def train(config: Config, run_dir: Path) -> dict:
+    check_update(config.algo)  # a wrong loss or advantage is one line, before the model loads
     async with Runtime.of(config, run_dir) as rt:
         return await GRPOTrainer(rt, config.algo).train()
 

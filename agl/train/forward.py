@@ -16,7 +16,7 @@ import torch
 
 from agl.policy.load import Policy
 from agl.train.logprobs import masked_logits, token_logprobs
-from agl.train.micro_batches import TokenBatch
+from agl.train.token_batch import TokenBatch
 
 
 def _decoder_or_model(policy: Policy, decoder_only: bool):

@@ -1,77 +1,40 @@
 """GRPO on the LoRA: from scored samples to one optimizer step.
 
-``advantages`` turns rewards into per-sample advantages group by group; ``GRPOUpdate`` runs
-the forward/backward passes in micro-batches and steps the optimizer. The loss itself is in
-``agl.train.loss`` (pure tensors); this module only batches tokens and accumulates gradients.
-
-Samples sampled under a grammar (structured outputs, agl.route.structure) have their masks rebuilt
-here, by replaying the grammar over the recorded tokens (``grammar_masks``): the update's log-probs
-at those positions are the masked distribution's, as the sampler's were, so the importance ratios
-compare like with like. Forced positions already carry no loss (agl.train.samples).
+``GRPOUpdate.step(samples, advantages)`` is one update: the step's micro-batches
+(``agl.train.micro_batches.StepBatches``), their old and reference log-probs when asked for,
+then forward, the loss (``agl.train.loss``, by name) and backward per micro-batch, one optimizer
+step, and the step's metrics. Advantages come from ``agl.train.advantages``.
 
 Left out on purpose: a value model (GRPO has none), and entropy bonuses (rarely help with
-LoRA at this scale; entropy is logged so collapse is visible)."""
+LoRA at this scale; entropy is logged so collapse is visible).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
-from collections import Counter, defaultdict
-from collections.abc import Sequence
-from typing import Any
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from agl.config import GRPOConfig
 from agl.memory import update_memory
-from agl.policy.grammar import policy_grammar_tokenizer, replay
 from agl.policy.load import Policy
 from agl.train.activation_checkpointing import checkpointed_layers
-from agl.train.forward import SharedPrompt, completion_logprobs, uses_hidden_states
-from agl.train.loss import group_advantages, policy_loss, token_weights
+from agl.train.advantages import ESTIMATORS
+from agl.train.loss import LossInputs, micro_batch_loss, resolve_loss
 from agl.train.merged_lora import merged_lora_layers
-from agl.train.micro_batches import TokenBatch, plan_micro_batches
+from agl.train.micro_batches import MicroBatch, StepBatches
 from agl.train.samples import Sample
 
 
-def advantages(samples: Sequence[Sample], scale: str) -> tuple[list[float], set[Any]]:
-    """Each sample's advantage, comparing its rollout with the others of its group, and the flat
-    groups: those whose rollouts all got the same reward (or that have one rollout), where every
-    advantage is zero."""
-    by_group: dict[Any, dict[str, float]] = defaultdict(dict)
-    for sample in samples:  # one reward per rollout: a merged multi-turn rollout may still give several samples
-        by_group[sample.group][sample.rollout_id] = sample.reward
-    all_rewards = torch.tensor([s.reward for s in samples], dtype=torch.float32)
-    batch_std = float(all_rewards.std()) if len(samples) > 1 else 0.0
-    adv_by_rollout: dict[str, float] = {}
-    flat = set()
-    for group, per_rollout in by_group.items():
-        rewards_G = torch.tensor(list(per_rollout.values()), dtype=torch.float32)
-        if len(rewards_G) < 2 or float(rewards_G.std()) == 0.0:
-            flat.add(group)
-            adv_by_rollout.update(dict.fromkeys(per_rollout, 0.0))
-        else:
-            adv_by_rollout.update(zip(per_rollout, group_advantages(rewards_G, scale, batch_std=batch_std).tolist()))
-    return [adv_by_rollout[s.rollout_id] for s in samples], flat
-
-
-def grammar_masks(samples: Sequence[Sample], policy: Policy) -> list[list[tuple[int, torch.Tensor]]]:
-    """Per sample, (start, bitmask [L, W]) for each of its grammar-sampled spans: the masks the
-    sampler used, rebuilt by replaying each grammar over the recorded tokens (agl.policy.grammar.replay)."""
-    if not any(s.constraints for s in samples):
-        return [[] for _ in samples]
-    tokenizer = policy_grammar_tokenizer(policy)
-    return [
-        [(c.start, replay(c.grammar, s.completion_ids[c.start : c.start + c.length], tokenizer)) for c in s.constraints]
-        for s in samples
-    ]
-
-
-def drop_groups(samples: Sequence[Sample], advs: Sequence[float], groups: set[Any]) -> tuple[list[Sample], list[float]]:
-    """The samples outside ``groups``, with their advantages. For the flat groups (``drop_zero_std``):
-    all-zero advantages teach nothing, they would only add forward/backward cost and dilute the mean."""
-    pairs = [(sample, adv) for sample, adv in zip(samples, advs) if sample.group not in groups]
-    return [sample for sample, _ in pairs], [adv for _, adv in pairs]
+def check_update(config: GRPOConfig) -> None:
+    """Resolve ``algo.loss`` and ``algo.advantage`` (a ConfigError if either names nothing, or a loss parameter
+    is wrong), as the update will."""
+    resolve_loss(config.loss)
+    ESTIMATORS.get(config.advantage)
 
 
 class GRPOUpdate:
@@ -80,6 +43,7 @@ class GRPOUpdate:
     def __init__(self, policy: Policy, config: GRPOConfig):
         self.policy = policy
         self.config = config
+        self.loss, self.loss_params = resolve_loss(config.loss)
         self.optimizer = torch.optim.AdamW(
             policy.trainable_parameters(), lr=config.lr, weight_decay=config.weight_decay
         )
@@ -91,136 +55,104 @@ class GRPOUpdate:
             return self._step(samples, advs)
 
     def _step(self, samples: Sequence[Sample], advs: Sequence[float]) -> dict[str, float]:
-        cfg = self.config
-        policy = self.policy
-        pad_id = policy.tokenizer.pad_token_id if policy.tokenizer.pad_token_id is not None else policy.eos_token_ids[0]
-        chunks = plan_micro_batches(samples, cfg.micro_batch_size, cfg.micro_batch_tokens)
-        # A group cut into several micro-batches runs its prompt once for all of them (SharedPrompt):
-        # parts[i] says which cut group micro-batch i belongs to (None: a group or singles whole).
-        prompts = [tuple(samples[chunk[0]].prompt_ids) for chunk in chunks]
-        cuts = Counter(p for p, chunk in zip(prompts, chunks) if all(tuple(samples[i].prompt_ids) == p for i in chunk))
-        parts = [p if cuts[p] > 1 else None for p in prompts]
-        start = time.perf_counter()
-        masks = grammar_masks(samples, policy)
-        replay_s = time.perf_counter() - start
-        batches = [
-            TokenBatch.build(
-                [samples[i] for i in chunk],
-                pad_id,
-                cfg.mask_truncated,
-                min_shared_rows=1 if part else 2,
-                grammar_masks=[masks[i] for i in chunk],
-            )
-            for chunk, part in zip(chunks, parts)
-        ]
-        first = [part is not None and (i == 0 or parts[i - 1] != part) for i, part in enumerate(parts)]
-        last = [part is not None and (i + 1 == len(parts) or parts[i + 1] != part) for i, part in enumerate(parts)]
-        adv_chunks = [torch.tensor([advs[i] for i in chunk], dtype=torch.float32) for chunk in chunks]
-        max_len = max(b.mask_BT.shape[1] for b in batches)
-        # Weights over the whole step, so accumulation over micro-batches equals one big batch.
-        all_mask = torch.zeros((len(samples), max_len))
-        row = 0
-        for b in batches:
-            all_mask[row : row + len(b.mask_BT), : b.mask_BT.shape[1]] = b.mask_BT
-            row += len(b.mask_BT)
-        all_weights = token_weights(all_mask, cfg.loss_type, max_len)
-        weights, row = [], 0
-        for b in batches:
-            weights.append(all_weights[row : row + len(b.mask_BT), : b.mask_BT.shape[1]])
-            row += len(b.mask_BT)
-        hidden = uses_hidden_states(policy)
-
-        def no_grad_logprobs() -> list[torch.Tensor]:
-            out, prompt = [], None
-            with torch.no_grad():
-                for i, b in enumerate(batches):
-                    if first[i]:
-                        prompt = SharedPrompt(policy, b.shared_prompt, hidden)
-                    out.append(completion_logprobs(policy, b, prompt=prompt if parts[i] else None)[0].detach())
-            return out
-
-        timings = defaultdict(float)
-        if replay_s and any(s.constraints for s in samples):
-            timings["grammar_replay_s"] = replay_s
-        if cfg.old_logprobs == "recompute":
-            start = time.perf_counter()
-            for b, old_logp_BT in zip(batches, no_grad_logprobs()):
-                b.old_logp_BT = old_logp_BT
-            timings["old_logprob_s"] += time.perf_counter() - start
-        refs: list[torch.Tensor | None] = [None] * len(batches)
+        cfg, policy = self.config, self.policy
+        batches = StepBatches(
+            samples,
+            advs,
+            policy,
+            weighting=self.loss.weighting,
+            size=cfg.micro_batch_size,
+            tokens=cfg.micro_batch_tokens,
+            mask_truncated=cfg.mask_truncated,
+        )
+        timings: dict[str, float] = defaultdict(float)
+        if batches.grammar_replay_s:
+            timings["grammar_replay_s"] = batches.grammar_replay_s
+        if cfg.old_logprobs == "recompute":  # else the sampler's, recorded in the spans
+            with timed(timings, "old_logprob_s"):
+                for mb, old_logp_BT in zip(batches, batches.logprobs(policy)):
+                    mb.batch.old_logp_BT = old_logp_BT
         if cfg.beta:
-            start = time.perf_counter()
-            with policy.reference():
-                refs = no_grad_logprobs()
-            timings["ref_s"] += time.perf_counter() - start
+            with timed(timings, "ref_s"), policy.reference():
+                for mb, ref_logp_BT in zip(batches, batches.logprobs(policy)):
+                    mb.ref_logp_BT = ref_logp_BT
 
-        policy.model.train()
-        sums: dict[str, float] = defaultdict(float)
+        metrics = StepMetrics()
         grad_norm = 0.0
-        with checkpointed_layers(
-            policy.model, cfg.gradient_checkpointing
-        ):  # activations of one layer at a time (agl/train/activation_checkpointing.py)
+        # activations of one layer at a time (agl/train/activation_checkpointing.py)
+        with training(policy), checkpointed_layers(policy.model, cfg.gradient_checkpointing):
             for _ in range(cfg.num_iterations):
                 self.optimizer.zero_grad(set_to_none=True)
-                prompt = None
-                for i, (b, adv_B, w_BT, ref_BT) in enumerate(zip(batches, adv_chunks, weights, refs)):
-                    start = time.perf_counter()
-                    if first[i]:
-                        prompt = SharedPrompt(policy, b.shared_prompt, hidden)
-                    logp_BT, entropy_BT = completion_logprobs(
-                        policy, b, with_entropy=True, prompt=prompt if parts[i] else None
+                passes = batches.passes(policy, with_entropy=True, backward=True, timings=timings)
+                for mb, logp_BT, entropy_BT in passes:
+                    x = LossInputs.of(logp_BT, mb.batch.old_logp_BT, mb.advantages_B, mb.batch.mask_BT)
+                    loss, stats = micro_batch_loss(
+                        self.loss, self.loss_params, x, mb.weights_BT, cfg.beta, mb.ref_logp_BT
                     )
-                    loss, stats = policy_loss(
-                        logp_BT,
-                        b.old_logp_BT,
-                        adv_B,
-                        b.mask_BT,
-                        w_BT,
-                        loss_type=cfg.loss_type,
-                        epsilon=cfg.epsilon,
-                        epsilon_high=cfg.epsilon_high,
-                        beta=cfg.beta,
-                        ref_logp_BT=ref_BT,
-                        sapo_tau_pos=cfg.sapo_tau_pos,
-                        sapo_tau_neg=cfg.sapo_tau_neg,
-                        opmd_tau=cfg.opmd_tau,
-                    )
-                    timings["forward_s"] += time.perf_counter() - start
-                    start = time.perf_counter()
-                    loss.backward()
-                    if last[i]:  # the group's last micro-batch: now the prompt's backward, once
-                        prompt.backward()
-                        prompt = None
-                    timings["backward_s"] += time.perf_counter() - start
-                    n = float(stats["tokens"])
-                    sums["tokens"] += n
-                    sums["input_tokens"] += b.num_input_tokens - (
-                        len(b.shared_prompt) if parts[i] and not first[i] else 0
-                    )
-                    sums["loss"] += float(loss.detach())
-                    for key in ("clip_ratio_low", "clip_ratio_high", "kl", "ratio_mean"):
-                        sums[key] += float(stats[key]) * n
-                    sums["entropy"] += float((entropy_BT * b.mask_BT).sum())
-                    sums["logprob_diff_abs"] += float(((logp_BT.detach() - b.old_logp_BT).abs() * b.mask_BT).sum())
-                    if b.grammar_index_BT is not None:  # sampled tokens whose distribution a grammar masked
-                        sums["constrained_tokens"] += float(((b.grammar_index_BT >= 0) * b.mask_BT).sum())
-                start = time.perf_counter()
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.max_grad_norm))
-                self.optimizer.step()
-                timings["optimizer_s"] += time.perf_counter() - start
-        policy.model.eval()
+                    with timed(timings, "backward_s"):
+                        loss.backward()
+                    metrics.add(mb, loss, stats, logp_BT, entropy_BT)
+                with timed(timings, "optimizer_s"):
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), cfg.max_grad_norm))
+                    self.optimizer.step()
+        return metrics.result(cfg.num_iterations, grad_norm) | timings
 
+
+class StepMetrics:
+    """Sums over a step's micro-batches (and its ``num_iterations`` passes), then per token or per pass."""
+
+    PER_TOKEN = ("clip_ratio_low", "clip_ratio_high", "kl", "ratio_mean", "entropy", "logprob_diff_abs")
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+
+    def add(
+        self,
+        mb: MicroBatch,
+        loss: torch.Tensor,
+        stats: dict[str, torch.Tensor],
+        logp_BT: torch.Tensor,
+        entropy_BT: torch.Tensor | None,
+    ) -> None:
+        sums, mask_BT = self.sums, mb.batch.mask_BT
+        n = float(stats["tokens"])
+        sums["tokens"] += n
+        sums["input_tokens"] += mb.input_tokens
+        sums["loss"] += float(loss.detach())
+        for key in ("clip_ratio_low", "clip_ratio_high", "kl", "ratio_mean"):
+            sums[key] += float(stats[key]) * n
+        sums["entropy"] += float((entropy_BT * mask_BT).sum())
+        sums["logprob_diff_abs"] += float(((logp_BT.detach() - mb.batch.old_logp_BT).abs() * mask_BT).sum())
+        if mb.batch.grammar_index_BT is not None:  # sampled tokens whose distribution a grammar masked
+            sums["constrained_tokens"] += float(((mb.batch.grammar_index_BT >= 0) * mask_BT).sum())
+
+    def result(self, iterations: int, grad_norm: float) -> dict[str, float]:
+        sums = self.sums
         n_tokens = max(sums["tokens"], 1.0)
-        metrics = {
-            "loss": sums["loss"] / cfg.num_iterations,
+        return {
+            "loss": sums["loss"] / iterations,
             "grad_norm": grad_norm if math.isfinite(grad_norm) else float("nan"),
-            "train_tokens": sums["tokens"] / cfg.num_iterations,
-            "train_input_tokens": sums["input_tokens"] / cfg.num_iterations,  # tokens run through the model
-            "constrained_tokens": sums["constrained_tokens"] / cfg.num_iterations,
-            **{
-                k: sums[k] / n_tokens
-                for k in ("clip_ratio_low", "clip_ratio_high", "kl", "ratio_mean", "entropy", "logprob_diff_abs")
-            },
-            **timings,
+            "train_tokens": sums["tokens"] / iterations,
+            "train_input_tokens": sums["input_tokens"] / iterations,  # tokens run through the model
+            "constrained_tokens": sums["constrained_tokens"] / iterations,
+            **{key: sums[key] / n_tokens for key in self.PER_TOKEN},
         }
-        return metrics
+
+
+@contextlib.contextmanager
+def timed(timings: dict[str, float], key: str) -> Iterator[None]:
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        timings[key] += time.perf_counter() - start
+
+
+@contextlib.contextmanager
+def training(policy: Policy) -> Iterator[None]:
+    """The model in train mode for the update, back in eval mode for serving after."""
+    policy.model.train()
+    try:
+        yield
+    finally:
+        policy.model.eval()

@@ -36,7 +36,8 @@ from agl.eval.failures import check_rollouts
 from agl.policy.device import device_memory
 from agl.report.metrics import append_metrics, draw_curves
 from agl.runtime import Runtime, succeeded
-from agl.train.grpo import GRPOUpdate, advantages, drop_groups
+from agl.train.advantages import ESTIMATORS, advantages, drop_groups
+from agl.train.grpo import GRPOUpdate
 from agl.train.plan import JobPlan, Phase, measure_rates, probe_prompt
 from agl.train.resume import TaskCursor, log_baseline, resume_or_start, save_checkpoint
 from agl.train.samples import spans_to_samples
@@ -60,6 +61,7 @@ class GRPOTrainer:
         self.end_rows = end_eval_rows(eval_rows, task.eval_size, task.final_eval_size, task.final_eval_seed)
         self.cursor = TaskCursor(len(self.train_rows), rt.seed)
         self.update = GRPOUpdate(rt.policy, algo)
+        self.estimator = ESTIMATORS.get(algo.advantage)
         warmup = self.algo.warmup
         self.warmup = SFTStage(rt, warmup) if warmup.steps or warmup.epochs else None
         self.warmup_steps = self.warmup.steps if self.warmup else 0
@@ -232,7 +234,7 @@ class GRPOTrainer:
             reward = final_reward(spans)
             samples += spans_to_samples(spans, reward=reward, group=rollout.metadata["group"])
             rewards[rollout.rollout_id] = reward or 0.0
-        advs, flat = advantages(samples, algo.scale_rewards)
+        advs, flat = advantages(samples, self.estimator)
         kept, advs = drop_groups(samples, advs, flat) if algo.drop_zero_std else (samples, advs)
         groups = len({s.group for s in samples})
 

@@ -1,116 +1,158 @@
-"""Micro-batches: which samples share a forward/backward pass, and how they are laid out as tensors.
+"""Micro-batches: which samples share a forward/backward pass, laid out, and run through the policy.
 
 ``plan_micro_batches`` cuts GRPO's samples so the passes run few padding tokens (a group's prompt
-runs once, however many micro-batches the group is cut into); ``TokenBatch`` lays one micro-batch
-out; ``sft_micro_batches`` is SFT's simpler plan over whole conversations.
+runs once, however many micro-batches the group is cut into); ``StepBatches`` is a step's
+micro-batches, laid out (``TokenBatch``), each token weighted over the whole step, with the masks
+of grammar-sampled positions replayed; its ``passes`` runs them through the policy, the shared
+prompt of a cut group once. ``sft_micro_batches`` is SFT's simpler plan over whole conversations.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
-from collections.abc import Sequence
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterator, Sequence
 
 import torch
 
+from agl.policy.grammar import policy_grammar_tokenizer, replay
+from agl.policy.load import Policy
+from agl.train.forward import SharedPrompt, completion_logprobs, uses_hidden_states
+from agl.train.loss import token_weights
 from agl.train.samples import Sample
+from agl.train.token_batch import TokenBatch
 
 
 @dataclasses.dataclass
-class TokenBatch:
-    """Samples laid out for one forward pass; every tensor is aligned on the completion.
+class MicroBatch:
+    """One forward/backward pass of a step."""
 
-    Two layouts:
-      - shared prompt (a GRPO group, or a part of one: ``SharedPrompt``): the prompt is run once,
-        its KV cache is expanded to every row, and only the completions are run per row. For G=8 samples of a 150-token
-        prompt and 128-token completions that is ~1,200 tokens instead of ~2,200.
-      - padded: prompts left-padded, completions right-padded, one pass:
-        [pad pad p p p | c c c pad], so ``logits_to_keep`` skips the prompt's vocab projection.
-    """
+    batch: TokenBatch
+    advantages_B: torch.Tensor
+    weights_BT: torch.Tensor  # each token's weight in the step's loss (``token_weights`` over the whole step)
+    input_tokens: int  # tokens it runs through the model, padding excluded; a cut group's prompt counts once
+    shared: bool = False  # one of the micro-batches of a group cut apart, which share one prompt pass
+    opens: bool = False  # ... the first of them: it runs the prompt
+    closes: bool = False  # ... the last: the prompt's backward runs after it
+    ref_logp_BT: torch.Tensor | None = None  # the reference model's log-probs (a KL term)
 
-    completion_BT: torch.Tensor  # completion token ids (right-padded)
-    completion_attention_BT: torch.Tensor  # 1 on real completion tokens
-    mask_BT: torch.Tensor  # float, 1 where the loss applies
-    old_logp_BT: torch.Tensor
-    temperature_B: torch.Tensor
-    shared_prompt: list[int] | None = None  # set: the shared-prompt layout
-    # grammar-sampled positions (agl.policy.grammar): row of grammar_bitmask_MW per position, -1 elsewhere
-    grammar_index_BT: torch.Tensor | None = None
-    grammar_bitmask_MW: torch.Tensor | None = None
-    input_ids_BL: torch.Tensor | None = None  # padded layout only
-    attention_mask_BL: torch.Tensor | None = None
 
-    @classmethod
-    def build(
-        cls,
+class StepBatches:
+    """A step's samples in micro-batches. Samples sampled under a grammar (structured outputs) have their
+    masks rebuilt by replaying the grammar over the recorded tokens (``grammar_masks``), so the update's
+    log-probs at those positions are the masked distribution's, as the sampler's were."""
+
+    def __init__(
+        self,
         samples: Sequence[Sample],
-        pad_id: int,
+        advantages: Sequence[float],
+        policy: Policy,
+        *,
+        weighting: str,
+        size: int | None,
+        tokens: int | None,
         mask_truncated: bool,
-        share_prompt: bool = True,
-        min_shared_rows: int = 2,
-        grammar_masks: Sequence[Sequence[tuple[int, torch.Tensor]]] | None = None,
-    ) -> TokenBatch:
-        """The shared-prompt layout when ``share_prompt``, every sample has one prompt and there are
-        at least ``min_shared_rows`` rows (1 for a part of a group cut into micro-batches); else padded.
+    ):
+        pad_id = policy.tokenizer.pad_token_id
+        pad_id = pad_id if pad_id is not None else policy.eos_token_ids[0]
+        chunks = plan_micro_batches(samples, size, tokens)
+        start = time.perf_counter()
+        masks = grammar_masks(samples, policy)
+        self.grammar_replay_s = time.perf_counter() - start if any(s.constraints for s in samples) else 0.0
+        # A group cut into several micro-batches runs its prompt once for all of them (SharedPrompt).
+        prompts = [tuple(samples[chunk[0]].prompt_ids) for chunk in chunks]
+        cuts = Counter(p for p, chunk in zip(prompts, chunks) if all(tuple(samples[i].prompt_ids) == p for i in chunk))
+        parts = [p if cuts[p] > 1 else None for p in prompts]
+        batches = [
+            TokenBatch.build(
+                [samples[i] for i in chunk],
+                pad_id,
+                mask_truncated,
+                min_shared_rows=1 if part else 2,
+                grammar_masks=[masks[i] for i in chunk],
+            )
+            for chunk, part in zip(chunks, parts)
+        ]
+        weights = step_weights([b.mask_BT for b in batches], weighting)
+        self.items: list[MicroBatch] = []
+        for i, (chunk, part, batch, w_BT) in enumerate(zip(chunks, parts, batches, weights)):
+            opens = part is not None and (i == 0 or parts[i - 1] != part)
+            closes = part is not None and (i + 1 == len(parts) or parts[i + 1] != part)
+            reused = len(batch.shared_prompt) if part is not None and not opens else 0
+            advantages_B = torch.tensor([advantages[i] for i in chunk], dtype=torch.float32)
+            self.items.append(
+                MicroBatch(batch, advantages_B, w_BT, batch.num_input_tokens - reused, part is not None, opens, closes)
+            )
 
-        ``grammar_masks``: per sample, (start, bitmask [L, W]) for each of its grammar-sampled spans
-        (``agl.train.grpo.grammar_masks``): those positions' log-probs are masked as the sampler's were."""
-        B, t_max = len(samples), max(len(s.completion_ids) for s in samples)
-        completion = torch.full((B, t_max), pad_id, dtype=torch.long)
-        completion_attention = torch.zeros((B, t_max), dtype=torch.long)
-        mask = torch.zeros((B, t_max))
-        old_logp = torch.zeros((B, t_max))
-        for i, s in enumerate(samples):
-            t = len(s.completion_ids)
-            completion[i, :t] = torch.tensor(s.completion_ids)
-            completion_attention[i, :t] = 1
-            if not (mask_truncated and s.truncated):
-                mask[i, :t] = torch.tensor(s.mask, dtype=torch.float32)
-            old_logp[i, :t] = torch.tensor(s.logprobs, dtype=torch.float32)
-        temperature = torch.tensor([s.temperature for s in samples], dtype=torch.float32)
-        batch = cls(completion, completion_attention, mask, old_logp, temperature)
-        if grammar_masks and any(grammar_masks):
-            batch.grammar_index_BT = torch.full((B, t_max), -1, dtype=torch.long)
-            bitmasks, rows = [], 0
-            for i, spans in enumerate(grammar_masks):
-                for start, bitmask_LW in spans:
-                    batch.grammar_index_BT[i, start : start + len(bitmask_LW)] = torch.arange(
-                        rows, rows + len(bitmask_LW)
-                    )
-                    bitmasks.append(bitmask_LW)
-                    rows += len(bitmask_LW)
-            batch.grammar_bitmask_MW = torch.cat(bitmasks)
-        if share_prompt and B >= min_shared_rows and all(s.prompt_ids == samples[0].prompt_ids for s in samples):
-            batch.shared_prompt = list(samples[0].prompt_ids)
-            return batch
-        p_max = max(len(s.prompt_ids) for s in samples)
-        batch.input_ids_BL = torch.full((B, p_max + t_max), pad_id, dtype=torch.long)
-        batch.attention_mask_BL = torch.zeros((B, p_max + t_max), dtype=torch.long)
-        for i, s in enumerate(samples):
-            p = len(s.prompt_ids)
-            batch.input_ids_BL[i, p_max - p : p_max] = torch.tensor(s.prompt_ids)
-            batch.input_ids_BL[i, p_max:] = completion[i]
-            batch.attention_mask_BL[i, p_max - p : p_max] = 1
-            batch.attention_mask_BL[i, p_max:] = completion_attention[i]
-        return batch
+    def __iter__(self) -> Iterator[MicroBatch]:
+        return iter(self.items)
 
-    @property
-    def num_input_tokens(self) -> int:
-        """Tokens the forward pass runs (a shared prompt once), padding excluded."""
-        completion = int(self.completion_attention_BT.sum())
-        if self.shared_prompt is not None:
-            return len(self.shared_prompt) + completion
-        return int(self.attention_mask_BL.sum())
+    def passes(
+        self, policy: Policy, *, with_entropy: bool = False, backward: bool = False, timings: dict | None = None
+    ) -> Iterator[tuple[MicroBatch, torch.Tensor, torch.Tensor | None]]:
+        """Each micro-batch with its completion log-probs (and entropies) under ``policy``, in order.
+
+        A cut group's prompt runs once, with its first micro-batch. With ``backward``, the caller runs each
+        micro-batch's backward before taking the next, and the prompt's own backward runs after the group's
+        last. ``timings`` gets the passes' seconds (``forward_s``, and the prompts' ``backward_s``)."""
+        timings = timings if timings is not None else defaultdict(float)
+        hidden = uses_hidden_states(policy)
+        prompt = None
+        for mb in self.items:
+            start = time.perf_counter()
+            if mb.opens:
+                prompt = SharedPrompt(policy, mb.batch.shared_prompt, hidden)
+            logp_BT, entropy_BT = completion_logprobs(
+                policy, mb.batch, with_entropy=with_entropy, prompt=prompt if mb.shared else None
+            )
+            timings["forward_s"] += time.perf_counter() - start
+            yield mb, logp_BT, entropy_BT
+            if backward and mb.closes:  # the group's last micro-batch: now the prompt's backward, once
+                start = time.perf_counter()
+                prompt.backward()
+                prompt = None
+                timings["backward_s"] += time.perf_counter() - start
+
+    def logprobs(self, policy: Policy) -> list[torch.Tensor]:
+        """Each micro-batch's completion log-probs under ``policy``, without gradients."""
+        with torch.no_grad():
+            return [logp_BT.detach() for _, logp_BT, _ in self.passes(policy)]
+
+
+def step_weights(masks: Sequence[torch.Tensor], weighting: str) -> list[torch.Tensor]:
+    """Each micro-batch's token weights, computed over the whole step (``token_weights`` of all its rows,
+    padded to the longest), so that accumulating the micro-batches' losses gives the full batch's."""
+    max_len = max(m.shape[1] for m in masks)
+    all_mask = torch.zeros((sum(len(m) for m in masks), max_len))
+    row = 0
+    for m in masks:
+        all_mask[row : row + len(m), : m.shape[1]] = m
+        row += len(m)
+    all_weights = token_weights(all_mask, weighting, max_len)
+    out, row = [], 0
+    for m in masks:
+        out.append(all_weights[row : row + len(m), : m.shape[1]])
+        row += len(m)
+    return out
+
+
+def grammar_masks(samples: Sequence[Sample], policy: Policy) -> list[list[tuple[int, torch.Tensor]]]:
+    """Per sample, (start, bitmask [L, W]) for each of its grammar-sampled spans: the masks the
+    sampler used, rebuilt by replaying each grammar over the recorded tokens (agl.policy.grammar.replay)."""
+    if not any(s.constraints for s in samples):
+        return [[] for _ in samples]
+    tokenizer = policy_grammar_tokenizer(policy)
+    return [
+        [(c.start, replay(c.grammar, s.completion_ids[c.start : c.start + c.length], tokenizer)) for c in s.constraints]
+        for s in samples
+    ]
 
 
 # Per micro-batch, a fixed cost in tokens of work (every layer's 4-bit weights dequantized in each
 # pass, ~3,000 operator dispatches, the loss): cutting a group to save fewer padded tokens than
 # this does not pay. Measured: BENCHMARKS.md "The update's micro-batch planner".
 PASS_OVERHEAD_TOKENS = 64
-
-# Update time and memory against the tokens trained on, this planner vs. the one before it (each
-# group one micro-batch, padded to its longest completion). Measured: BENCHMARKS.md "The update's
-# micro-batch planner".
 
 
 def plan_micro_batches(
