@@ -1,8 +1,8 @@
 """``/v1/responses``: OpenAI's Responses API served on the chat path, and the stored responses.
 
 A Responses call is a chat call in disguise: ``agl.route.responses_api`` translates its items into chat
-messages, the chat path (``ModelServer``) renders, samples, parses tool calls and records, and the reply
-goes back as output items, streamed as Responses events or not. Stored responses (``store``, the
+messages, the chat path (``agl.route.chat_path.ChatPath``) renders, samples, parses tool calls and records, and
+the reply goes back as output items, streamed as Responses events or not. Stored responses (``store``, the
 default) stay in memory, the last ``server.stored_responses``, for ``previous_response_id`` and
 ``GET``/``DELETE /v1/responses/{id}``, on the route that made them.
 """
@@ -16,23 +16,20 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel
 
 from agl.route import responses_api
+from agl.route.chat_path import ChatPath
 from agl.route.output import Delta
 from agl.route.recording import Call, Choice, ResponseStore, StoredResponse
-from agl.route.requests import APIError, parse_request
+from agl.route.requests import APIError
 from agl.route.response_models import DeletedResponse, ErrorEvent, OutputBuilder, ResponseEvent, chat_logprobs, new_id
 from agl.route.response_models import Response as ResponseObject
 from agl.route.responses_api import ResponsesRequest
 from agl.route.streaming import ClientGone, interleaved, scope_key, sse_line, unless_disconnected
-
-if TYPE_CHECKING:
-    from agl.route.server import ModelServer
 
 log = logging.getLogger(__name__)
 
@@ -48,18 +45,17 @@ class ResponseState:
 
 
 class ResponsesEndpoint:
-    """The Responses API's three endpoints on a ``ModelServer``, with the responses it stored."""
+    """The Responses API's three endpoints on the route's ``chat`` path, with the responses it stored."""
 
-    def __init__(self, server: ModelServer, stored_responses: int):
-        self.server = server
+    def __init__(self, chat: ChatPath, stored_responses: int):
+        self.chat = chat
         self.stored = ResponseStore(stored_responses)  # for previous_response_id and GET
 
     async def create(self, request: Request) -> Response:
         """``POST /v1/responses``: translated to a chat call, answered as a Responses object
         (``agl.route.responses_api``)."""
         received_at, received_wall = time.perf_counter(), time.time()
-        req = parse_request(ResponsesRequest, await self.server.read_body(request))
-        self.server._check_model(req.model)
+        req = await self.chat.parse(request, ResponsesRequest)
         previous: list = []
         if req.previous_response_id is not None:
             stored = self.stored.get(req.previous_response_id, scope_key(request))
@@ -68,10 +64,10 @@ class ResponsesEndpoint:
             previous = stored.items + stored.output
         items = previous + responses_api.parse_items(req.input)
         chat_req = responses_api.to_chat_request(req, items, first_new=len(previous))
-        scope, seed = await self.server._check_scope(request, req.seed)
+        scope, seed = await self.chat.check_scope(request, req.seed)
         response_id = new_id("resp")
         try:
-            call = await self.server._chat_call(chat_req, scope, seed, received_at, received_wall)
+            call = await self.chat.render(chat_req, scope, seed, received_at, received_wall)
             call.api_request = {
                 "api": "responses",
                 "id": response_id,
@@ -79,12 +75,12 @@ class ResponsesEndpoint:
                 "metadata": req.metadata,
                 "store": req.store is not False,
             }
-            self.server._submit(call)
+            self.chat.submit(call)
         except APIError as exc:
             raise responses_api.for_responses(exc) from None
         state = ResponseState(response_id, req, items, int(received_wall))
         builder = OutputBuilder(
-            (lambda delta: chat_logprobs(self.server.policy.tokenizer, delta).content) if chat_req.logprobs else None
+            (lambda delta: chat_logprobs(self.chat.tokenizer, delta).content) if chat_req.logprobs else None
         )
         if req.stream:
             return StreamingResponse(self._sse(call, state, builder), media_type="text/event-stream")
@@ -125,21 +121,21 @@ class ResponsesEndpoint:
 
         if choice.tools is not None and call.forced_text:  # forced text: where the parsed reply begins
             await on_delta(choice, Delta(call.forced_text, [], [], None))
-        await self.server._run_choice(call, choice, on_delta)
+        await self.chat.run_choice(choice, on_delta)
         final = choice.out.release(final=True)
-        deltas = parsed(final.text) + (self.server._settle_tools(choice) if choice.tools is not None else [])
+        deltas = parsed(final.text) + (self.chat.settle_tools(choice) if choice.tools is not None else [])
         events = builder.feed(deltas, final) + builder.finish(incomplete=choice.finish_reason == "length")
         if emit is not None:
             await emit(events)
 
     async def _finish(self, call: Call, state: ResponseState, builder: OutputBuilder) -> ResponseObject:
         """Record the call, build the final response object and keep it for ``previous_response_id``."""
-        await self.server.recorder.record(call)
+        await self.chat.record(call)
         completed = call.choices[0].finish_reason != "length"
         response = responses_api.response_object(
             state.id,
             state.req,
-            self.server._served_name(state.req.model),
+            self.chat.served_name(state.req.model),
             state.created_at,
             "completed" if completed else "incomplete",
             builder.output,
@@ -163,7 +159,7 @@ class ResponsesEndpoint:
 
         try:
             opening = responses_api.response_object(
-                state.id, state.req, self.server._served_name(state.req.model), state.created_at, "in_progress", []
+                state.id, state.req, self.chat.served_name(state.req.model), state.created_at, "in_progress", []
             )
             yield event(ResponseEvent(type="response.created", response=opening))
             yield event(ResponseEvent(type="response.in_progress", response=opening))

@@ -6,8 +6,10 @@ the same calls are also *recorded*: each sampled choice becomes one span with th
 ids and log-probs the trainer learns from (``agl.route.recording``). Unscoped ``/v1`` calls are served
 but not recorded, unless the server is made with ``record_unscoped=True`` (``algo=serve``).
 
-This module is the transport: routes, auth, OpenAI-style errors, streaming, disconnects, and
-calling the engine. Requests are parsed by ``agl.route.requests`` and answered with the models of
+This module is the transport: routes, auth, OpenAI-style errors, streaming and disconnects. What the
+endpoints share, from a request's checks to its recorded spans (prompt, engine, tool calls), is the chat
+path, ``agl.route.chat_path.ChatPath``; the Responses endpoints (``agl.route.responses_endpoint``) use it
+as the chat endpoints here do. Requests are parsed by ``agl.route.requests`` and answered with the models of
 ``agl.route.response_models``; prompts are rendered by ``agl.route.rendering`` (``agl.route.tool_prompt``
 for tools), and Responses calls translated to chat calls by ``agl.route.responses_api``.
 
@@ -88,37 +90,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agl.config import ServerConfig, check_server_exposure, typed
 from agl.errors import DiskFull
-from agl.policy.engine import SamplingParams
-from agl.policy.grammar import policy_grammar_tokenizer
-from agl.route import structure, tool_prompt
+from agl.route.chat_path import ChatPath
 from agl.route.openapi import openapi_document, route_docs
-from agl.route.output import Delta, OutputAssembler
+from agl.route.output import Delta
 from agl.route.recording import Call, Choice, Recorder
-from agl.route.rendering import History, decode, render_prompt, template_messages
-from agl.route.requests import (
-    APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    bad_request,
-    conflict,
-    disk_full,
-    error_body,
-    model_not_found,
-    not_found,
-    parse_request,
-    request_too_large,
-    unauthorized,
-)
+from agl.route.rendering import History
+from agl.route.requests import APIError, ChatCompletionRequest, CompletionRequest, disk_full, error_body, unauthorized
 from agl.route.response_models import Answer, ModelCard, ModelList
 from agl.route.responses_endpoint import ResponsesEndpoint
 from agl.route.streaming import ClientGone, interleaved, sse_line, unless_disconnected
-from agl.route.tool_calls import ToolCallParser
-from agl.seeding import CallCounter, call_seed
-from agl.store import charged_attempt_number
 
 log = logging.getLogger(__name__)
-
-FINISHED_ATTEMPT_STATUSES = ("succeeded", "failed", "timeout")  # an "unresponsive" attempt may come back
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -158,28 +140,31 @@ class ModelServer:
         check_server_exposure(config)  # a public address needs a key (or server.allow_public)
         self.engine = engine
         self.policy = policy
-        self.store = store
         self.host = config.host
         self.port = config.port  # 0 until start() binds a free one
         self.api_key = config.api_key
-        self.default_max_tokens = config.default_max_tokens
-        self.max_request_bytes = config.max_request_bytes
-        self.seed = seed  # the run seed: rollout calls without a seed of their own derive one from it
         # frozen helper models: name -> an engine sampling the base model (adapter off; agl.policy.sampler_weights)
-        self.frozen = dict(frozen or {})
-        # what requests may name in `model`: the policy, its frozen helpers, and names registered for the policy
-        self.model_names = tuple(dict.fromkeys([policy.name, *self.frozen, *model_names]))
-        self.recorder = Recorder(
+        frozen = dict(frozen or {})
+        recorder = Recorder(
             store,
             policy,
             record_unscoped,
-            frozen_names=self.frozen,
+            frozen_names=frozen,
             history=History(config.history_attempts, config.history_turns),
         )
-        self.responses = ResponsesEndpoint(
-            self, config.stored_responses
-        )  # /v1/responses (agl.route.responses_endpoint)
-        self.call_numbers = CallCounter()
+        # the chat machinery every endpoint below shares: checks, prompts, sampling, recording (agl.route.chat_path)
+        self.chat = ChatPath(
+            engine,
+            policy,
+            store,
+            recorder,
+            frozen=frozen,
+            model_names=model_names,
+            seed=seed,
+            default_max_tokens=config.default_max_tokens,
+            max_request_bytes=config.max_request_bytes,
+        )
+        self.responses = ResponsesEndpoint(self.chat, config.stored_responses)  # /v1/responses
         self.app = self._build_app()
         self._server: _EmbeddedUvicorn | None = None
         self._task: asyncio.Task | None = None
@@ -229,8 +214,8 @@ class ModelServer:
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
         self._task = self._server = None
-        self.engine = self.policy = self.store = self.recorder = None
-        self.frozen = {}
+        self.engine = self.policy = None
+        self.chat.release()
 
     # ------------------------------------------------------------------ app
 
@@ -285,21 +270,6 @@ class ModelServer:
 
         return app
 
-    async def read_body(self, request: Request) -> bytes:
-        """The request body, refused with a 413 once it passes ``server.max_request_bytes``: a declared
-        Content-Length at once, a chunked body as soon as it has sent that much (never held whole)."""
-        limit = self.max_request_bytes
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise request_too_large(f"{int(declared)} bytes", limit)
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise request_too_large(f"over {limit} bytes", limit)
-            chunks.append(chunk)
-        return b"".join(chunks)
-
     async def _authorize(self, request: Request) -> None:
         if self.api_key is not None:
             given = request.headers.get("authorization", "")
@@ -317,154 +287,33 @@ class ModelServer:
 
     async def _models(self) -> dict:
         return ModelList(
-            data=[ModelCard(id=name, max_model_len=self.policy.context_length) for name in self.model_names]
+            data=[ModelCard(id=name, max_model_len=self.policy.context_length) for name in self.chat.model_names]
         ).model_dump()
 
     # ------------------------------------------------------------------ endpoints
 
     async def _chat(self, request: Request) -> Response:
         received_at, received_wall = time.perf_counter(), time.time()
-        req = parse_request(ChatCompletionRequest, await self.read_body(request))
-        self._check_model(req.model)
-        scope, seed = await self._check_scope(request, req.seed)
-        call = await self._chat_call(req, scope, seed, received_at, received_wall)
+        req = await self.chat.parse(request, ChatCompletionRequest)
+        scope, seed = await self.chat.check_scope(request, req.seed)
+        call = await self.chat.render(req, scope, seed, received_at, received_wall)
         return await self._generate(request, call)
-
-    async def _chat_call(
-        self,
-        req: ChatCompletionRequest,
-        scope: tuple[str, str] | None,
-        seed: int | None,
-        received_at: float,
-        received_wall: float,
-    ) -> Call:
-        """A chat request rendered to prompt ids (tool prompt, exact prefixes, forced reply start)."""
-        use_tools = bool(req.tools) and req.tool_choice != "none"
-        tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if use_tools else None
-        grammar = structure.reply_grammar(req, tools, lambda: policy_grammar_tokenizer(self.policy))
-        if tools:  # `strict` is the route's business, not the prompt's
-            tools = [{**t, "function": {k: v for k, v in t["function"].items() if k != "strict"}} for t in tools]
-        messages = template_messages(req.messages)
-        turns = await self.recorder.turns(scope) if scope and req.model not in self.frozen else ()
-        template = tool_prompt.MODEL
-        if tool_prompt.needs_builtin(self.policy.supports_tools, messages, tools):
-            messages, template = (
-                tool_prompt.builtin_messages(messages, tools, [t.reply_text for t in turns]),
-                tool_prompt.BUILTIN,
-            )
-        try:
-            prompt = render_prompt(self.policy, messages, tools if template == tool_prompt.MODEL else None, turns)
-        except Exception as exc:  # jinja errors: roles that must alternate, missing fields, ...
-            raise bad_request(f"The chat template could not render these messages: {exc}", param="messages") from None
-        forced_text = tool_prompt.forced_prefix(req.tool_choice_json) if use_tools else ""
-        forced = self.policy.tokenizer.encode(forced_text, add_special_tokens=False) if forced_text else []
-        return Call(
-            "chat",
-            req,
-            prompt.ids + forced,
-            scope,
-            tools,
-            prompt.reused,
-            seed,
-            received_at,
-            received_wall,
-            template=template,
-            forced_ids=forced,
-            forced_text=decode(self.policy.tokenizer, forced),
-            grammar=grammar,
-        )
 
     async def _completions(self, request: Request) -> Response:
         received_at, received_wall = time.perf_counter(), time.time()
-        req = parse_request(CompletionRequest, await self.read_body(request))
-        self._check_model(req.model)
-        scope, seed = await self._check_scope(request, req.seed)
-        if isinstance(req.prompt, str):
-            prompt_ids = self.policy.tokenizer(req.prompt)["input_ids"]
-        else:
-            vocab = len(self.policy.tokenizer)
-            if max(req.prompt) >= vocab:
-                raise bad_request(
-                    f"Token id {max(req.prompt)} is out of range (vocabulary size {vocab}).", param="prompt"
-                )
-            prompt_ids = list(req.prompt)
-        if not prompt_ids:
-            raise bad_request("The prompt is empty.", param="prompt")
-        call = Call("completion", req, list(prompt_ids), scope, None, 0, seed, received_at, received_wall)
+        req = await self.chat.parse(request, CompletionRequest)
+        scope, seed = await self.chat.check_scope(request, req.seed)
+        call = self.chat.tokenize(req, scope, seed, received_at, received_wall)
         return await self._generate(request, call)
 
-    def _served_name(self, model: str | None) -> str:
-        """The model name an answer carries: the frozen helper's that was asked for, else the policy's."""
-        return model if model in self.frozen else self.policy.name
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_names:
-            raise model_not_found(model, self.model_names)
-
-    async def _check_scope(self, request: Request, seed: int | None) -> tuple[tuple[str, str] | None, int | None]:
-        """(rollout_id, attempt_id) of a rollout route, after 404 / 409 checks (None if unscoped),
-        and the call's sampling seed: ``seed`` if given, else derived for a rollout call."""
-        rollout_id = request.path_params.get("rollout_id")
-        if rollout_id is None:
-            return None, seed
-        attempt_id = request.path_params["attempt_id"]
-        if self.store is None:
-            raise not_found("This server has no store, so rollout routes are unavailable; use /v1.")
-        if await self.store.get_rollout_by_id(rollout_id) is None:
-            raise not_found(f"Rollout '{rollout_id}' does not exist.", code="rollout_not_found")
-        attempts = await self.store.query_attempts(rollout_id)
-        attempt = next((a for a in attempts if a.attempt_id == attempt_id), None)
-        if attempt is None:
-            raise not_found(
-                f"Attempt '{attempt_id}' of rollout '{rollout_id}' does not exist.", code="attempt_not_found"
-            )
-        if attempt.status in FINISHED_ATTEMPT_STATUSES:
-            raise conflict(
-                f"Attempt '{attempt_id}' of rollout '{rollout_id}' already finished ({attempt.status}).",
-                code="attempt_finished",
-            )
-        scope = (rollout_id, attempt_id)
-        call_number = self.call_numbers.next(scope)
-        if seed is None:
-            seed = call_seed(self.seed, rollout_id, charged_attempt_number(attempts, attempt), call_number)
-        return scope, seed
-
-    # ------------------------------------------------------------------ generation, chat and text completions
-
-    def _submit(self, call: Call) -> None:
-        """Check the token budget, submit the call's sequences to the engine and set up its choices."""
-        req = call.req
-        max_tokens = req.completion_budget(len(call.prompt_ids), self.policy.context_length, self.default_max_tokens)
-        engine = self.frozen.get(req.model, self.engine)
-        if req.n > engine.max_batch_size:
-            raise bad_request(f"n={req.n} exceeds the engine's batch size ({engine.max_batch_size}).", param="n")
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            temperature=req.temperature,
-            top_p=req.top_p,
-            seed=call.seed,
-            top_logprobs=req.n_top_logprobs,
-            ignore_eos=req.ignore_eos,
-            grammar=call.grammar,
-        )
-        streams = engine.submit(call.prompt_ids, params, n=req.n)
-        tokenizer = self.policy.tokenizer
-        call.choices = [
-            Choice(
-                i,
-                s,
-                OutputAssembler(tokenizer, req.stop_strings, s.stop_ids, top_logprobs=params.top_logprobs > 0),
-                tools=ToolCallParser() if call.tools else None,
-            )
-            for i, s in enumerate(streams)
-        ]
+    # ------------------------------------------------------------------ answers, whole or streamed
 
     async def _generate(self, request: Request, call: Call) -> Response:
-        self._submit(call)
+        self.chat.submit(call)
         if call.req.stream:
             return StreamingResponse(self._sse(call), media_type="text/event-stream")
         try:
-            await unless_disconnected(request, asyncio.gather(*(self._run_choice(call, c) for c in call.choices)))
+            await unless_disconnected(request, asyncio.gather(*(self.chat.run_choice(c) for c in call.choices)))
         except ClientGone:
             return Response(status_code=499)
         finally:
@@ -473,53 +322,14 @@ class ModelServer:
         for choice in call.choices:
             if choice.tools is not None:
                 choice.tools.feed(call.forced_text + choice.out.text)
-                self._settle_tools(choice)
-        await self.recorder.record(call)
-        return JSONResponse(Answer(call, self._served_name(call.req.model), self.policy.tokenizer).whole().model_dump())
-
-    async def _run_choice(
-        self, call: Call, choice: Choice, on_delta: Callable[[Choice, Delta], Awaitable[None]] | None = None
-    ) -> None:
-        """Consume one sequence's tokens until it ends or a stop string matches."""
-        out = choice.out
-        async for event in choice.stream:
-            out.add(event.token_id, event.logprob, event.top_logprobs)
-            if out.stop_matched:
-                choice.stream.cancel()  # free the slot now; later tokens are never seen
-                break
-            if on_delta is not None:
-                delta = out.release()
-                if delta.text:
-                    await on_delta(choice, delta)
-        if not out.stop_matched:
-            await choice.stream.wait()
-            out.finish()
-        if choice.stream.finish_reason == "error":
-            raise APIError(
-                500,
-                f"The engine failed while generating this reply: {choice.stream.error}",
-                "server_error",
-                code="engine_error",
-            )
-        if choice.stream.finish_reason == "abort" and not out.stop_matched:
-            raise APIError(
-                503, "The engine stopped before this request finished.", "server_error", code="engine_stopped"
-            )
-        choice.finish_reason = "stop" if out.stop_matched else choice.stream.finish_reason
-        choice.content = out.text
-
-    @staticmethod
-    def _settle_tools(choice: Choice) -> list[dict]:
-        """The reply's text is all fed to its tool parser: take the content and calls from it."""
-        deltas = choice.tools.finish()
-        choice.content, choice.tool_calls = choice.tools.content, choice.tools.calls
-        if choice.tool_calls and not choice.tools.cut_in_call:  # a call cut short by max_tokens stays "length"
-            choice.finish_reason = "tool_calls"
-        return deltas
+                self.chat.settle_tools(choice)
+        await self.chat.record(call)
+        answer = Answer(call, self.chat.served_name(call.req.model), self.chat.tokenizer)
+        return JSONResponse(answer.whole().model_dump())
 
     async def _sse(self, call: Call) -> AsyncIterator[str]:
         """Server-sent events of a streamed call; its choices run concurrently."""
-        answer = Answer(call, self._served_name(call.req.model), self.policy.tokenizer)
+        answer = Answer(call, self.chat.served_name(call.req.model), self.chat.tokenizer)
 
         async def run(choice: Choice, put: Callable[[BaseModel], Awaitable[None]]) -> None:
             async def emit(choice: Choice, delta: Delta) -> None:
@@ -530,12 +340,12 @@ class ModelServer:
 
             if choice.tools is not None and call.forced_text:  # forced text: its deltas come first
                 await emit(choice, Delta(call.forced_text, [], [], None if choice.out.top_logprobs is None else []))
-            await self._run_choice(call, choice, emit)
+            await self.chat.run_choice(choice, emit)
             final = choice.out.release(final=True)
             chunks = (
                 []
                 if choice.tools is None
-                else answer.chunks(choice, final, choice.tools.feed(final.text) + self._settle_tools(choice))
+                else answer.chunks(choice, final, choice.tools.feed(final.text) + self.chat.settle_tools(choice))
             )
             for chunk in chunks + [answer.last(choice, final)]:
                 await put(chunk)
@@ -548,7 +358,7 @@ class ModelServer:
             ) as chunks:
                 async for chunk in chunks:
                     yield sse_line(chunk)
-            await self.recorder.record(call)
+            await self.chat.record(call)
             if call.req.include_usage:
                 yield sse_line(answer.usage_chunk())
             yield "data: [DONE]\n\n"
