@@ -108,6 +108,7 @@ def update_step(policy, fused: bool, merged: bool | None = None, profile: bool =
     ``merged``: LoRA layers merged in the update or not (None: the policy's ``train_merged``)."""
     import dataclasses
 
+    import agl.train.forward as forward
     import agl.train.grpo as grpo
     from agl.train.samples import Sample
 
@@ -130,8 +131,8 @@ def update_step(policy, fused: bool, merged: bool | None = None, profile: bool =
     ]
     update = grpo.GRPOUpdate(policy, grpo.GRPOConfig(lr=0.0, loss_type="dapo", epsilon_high=None, micro_batch_size=8))
     advantages = [1.0 if i % 2 else -1.0 for i in range(8)]
-    original = grpo.fused_head
-    grpo.fused_head = original if fused else (lambda _policy: None)
+    original = forward.fused_head  # completion_logprobs looks it up in its module
+    forward.fused_head = original if fused else (lambda _policy: None)
     try:
         if profile:
             from torch.profiler import ProfilerActivity
@@ -148,7 +149,7 @@ def update_step(policy, fused: bool, merged: bool | None = None, profile: bool =
             "backward_s": metrics["backward_s"],
         }
     finally:
-        grpo.fused_head = original
+        forward.fused_head = original
 
 
 def median_of(rows: list[dict]) -> dict:
