@@ -34,6 +34,7 @@ length, or Qwen2's sliding window, fall back to the model's forward (``decode_st
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -108,6 +109,14 @@ class Nf4Projection:
     def __init__(self, packed: torch.Tensor, state: Any, bias: torch.Tensor | None):
         self.packed, self.state, self.bias = packed, state, bias
         self.lora: tuple[torch.Tensor, torch.Tensor, float] | None = None  # (A stacked, B block-diagonal, scale)
+        self._kernel = _nf4_kernel()
+        rows, columns = state.shape
+        self._fixed = [
+            ctypes.c_int64(rows),
+            ctypes.c_int64(columns),
+            ctypes.c_void_p(packed.data_ptr()),
+            ctypes.c_void_p(state.absmax.data_ptr()),
+        ]
 
     @classmethod
     def build(cls, modules: list[nn.Module]) -> Nf4Projection | None:
@@ -166,9 +175,26 @@ class Nf4Projection:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         state = self.state
-        out = torch.ops.bitsandbytes.gemv_4bit.default(
-            x.to(torch.bfloat16), self.packed, state.shape, state.absmax, state.code, state.blocksize
-        )
+        x16 = x.to(torch.bfloat16).contiguous()
+        if self._kernel is not None:  # the library's C kernel itself: its Python wrapper costs more than the matmul
+            rows, columns, packed, absmax = self._fixed
+            out = x16.new_empty((x16.shape[0], state.shape[0]))
+            self._kernel(
+                ctypes.c_int64(x16.shape[0]),
+                rows,
+                columns,
+                ctypes.c_void_p(x16.data_ptr()),
+                packed,
+                absmax,
+                ctypes.c_void_p(out.data_ptr()),
+                ctypes.c_int64(state.blocksize),
+                ctypes.c_int64(x16.stride(0)),
+                ctypes.c_int64(out.stride(0)),
+            )
+        else:
+            out = torch.ops.bitsandbytes.gemv_4bit.default(
+                x16, self.packed, state.shape, state.absmax, state.code, state.blocksize
+            )
         if self.bias is not None:
             out = out + self.bias
         out = out.to(x.dtype)
@@ -176,6 +202,15 @@ class Nf4Projection:
             a, b, scale = self.lora
             out = out + ((x.to(a.dtype) @ a.t()) @ b.t()) * scale
         return out
+
+
+def _nf4_kernel() -> Any:
+    """bitsandbytes' CPU NF4 x bf16 kernel, as its ``gemv_4bit`` op calls it (None where its library lacks it)."""
+    try:
+        from bitsandbytes.cextension import lib
+    except ImportError:
+        return None
+    return getattr(lib, "gemv_4bit_inference_cpu_nf4_bf16", None)
 
 
 def _base_layer(module: nn.Module) -> nn.Module:

@@ -66,7 +66,6 @@ class GraphDecodeStep(LlamaDecodeStep):
         self.capture = capture
         self._graphs: dict[tuple, _Graph] = {}
         self._weights_of: Any = None  # the merge the graphs were captured with
-        self._pool: Any = None
 
     @torch.inference_mode()
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:
@@ -123,9 +122,8 @@ class GraphDecodeStep(LlamaDecodeStep):
 
     def _capture(self, model: Any, cache: Any, graph: _Graph) -> None:
         """Warm up on a side stream, then record the step (it writes only where the replay that follows
-        writes the same values: the inputs are the real step's)."""
-        if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+        writes the same values: the inputs are the real step's). Each graph has its own memory pool: graphs of
+        different shapes replay in any order."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -133,7 +131,7 @@ class GraphDecodeStep(LlamaDecodeStep):
                 self._run(model, cache, graph)
         torch.cuda.current_stream().wait_stream(stream)
         graph.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph.graph, pool=self._pool):
+        with torch.cuda.graph(graph.graph):
             graph.logits = self._run(model, cache, graph)
 
     def _run(self, model: Any, cache: Any, graph: _Graph) -> torch.Tensor:
