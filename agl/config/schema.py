@@ -88,7 +88,7 @@ class EngineConfig:
         "graph: fast's step in static shapes, replayed as CUDA graphs on a GPU (agl/policy/graph_decode.py)",
     )
     decode_4bit_rows: int = doc(
-        4, "fast decode steps of at most this many rows read the NF4 base + LoRA (bf16 on a CPU); 0: always dense"
+        8, "fast decode steps of at most this many rows read the NF4 base + LoRA (bf16 on a CPU); 0: always dense"
     )
 
 
