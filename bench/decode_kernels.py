@@ -8,8 +8,9 @@ Matmuls: SmolLM2-135M's four matmul groups per layer (q/k/v stacked 960 x 576, o
   - ``bf16 W@x.T``: agl/policy/decode.py's dense step (``torch.mm(W, x.T)``);
   - ``bf16 linear``: ``F.linear`` (``x @ W.T``);
   - ``oneDNN packed``: bf16 weights reordered once by oneDNN (``mkldnn._reorder_linear_weight``);
-  - ``bnb NF4``: bitsandbytes' CPU 4-bit kernel over its repacked NF4 layout (0.5 bytes a weight; what
-    ``engine.decode_4bit_rows`` runs, without the LoRA);
+  - ``bnb NF4``: bitsandbytes' CPU 4-bit kernel over its repacked NF4 layout (0.5 bytes a weight), called as
+    agl/policy/decode.py's ``Nf4Projection`` calls it (the C function itself; ``engine.decode_4bit_rows``), without
+    the LoRA; ``bnb NF4 op``: the same through bitsandbytes' ``gemv_4bit`` op and its Python wrapper;
   - ``int8`` / ``int4``: torch's weight-only kernels (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``
     with groups of 32): a re-quantization of the weights, for the bytes they read;
   - ``fp32 W@x.T``: the float32 step.

@@ -198,9 +198,12 @@ class Nf4Projection:
         if self.bias is not None:
             out = out + self.bias
         out = out.to(x.dtype)
-        if self.lora is not None:
+        if self.lora is not None:  # out + scale * (x @ A.T) @ B.T, the scaling and the sum inside one product
             a, b, scale = self.lora
-            out = out + ((x.to(a.dtype) @ a.t()) @ b.t()) * scale
+            down = x.to(a.dtype) @ a.t()
+            if out.dtype == a.dtype:
+                return torch.addmm(out, down, b.t(), alpha=scale)
+            out = out + (down @ b.t()) * scale
         return out
 
 
