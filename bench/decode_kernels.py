@@ -75,7 +75,11 @@ def matmul_variants() -> dict[str, tuple]:
         nf4 = [
             [bnb._convert_weight_packed_for_cpu(*bnb.quantize_4bit(w, blocksize=64)) for w in layer] for layer in bf16
         ]
-        variants["bnb NF4"] = (
+        from agl.policy.decode import Nf4Projection
+
+        projections = [[Nf4Projection(packed, state, None) for packed, state in layer] for layer in nf4]
+        variants["bnb NF4"] = (lambda i, j, x: projections[i][j](x), torch.bfloat16, params // 2)
+        variants["bnb NF4 op"] = (
             lambda i, j, x: bnb.gemv_4bit(x, nf4[i][j][0], state=nf4[i][j][1]),
             torch.bfloat16,
             params // 2,
