@@ -7,20 +7,11 @@ import asyncio
 
 import pytest
 import torch
+from test_decode import policy  # noqa: F401  the fixture: the tiny Llama and Qwen2
 from test_merged import optimizer_step
 
 from agl.policy.engine import Engine, SamplingParams, SequenceStream
 from agl.policy.graph_decode import GraphDecodeStep, bucket
-from agl.policy.load import load_policy
-
-
-@pytest.fixture(params=["llama", "qwen2"])
-def policy(request, tiny_model_cfg, device):
-    cfg = tiny_model_cfg.copy()
-    cfg.tiny.architecture = request.param
-    policy = load_policy(cfg, device)
-    policy.model.eval()
-    return policy
 
 
 def run(policy, decode, requests, batch_invariant=False):
