@@ -282,6 +282,7 @@ def engine_kwargs(engine: Any, compute_dtype: str) -> dict:
         weights=engine.weights,
         batch_invariant=batch_invariant(engine.batch_invariant, compute_dtype),
         decode=engine.decode,
+        decode_4bit_rows=engine.decode_4bit_rows,
     )
 
 

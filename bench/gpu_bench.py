@@ -245,7 +245,7 @@ async def route_levels(args: argparse.Namespace) -> dict:
     new_tokens = 8 if args.cpu_dry_run else args.route_tokens
     policy = load_model(model, None, args.device, args.tokenizer)
     policy.model.eval()
-    engine = Engine(policy, max_batch_size=max(clients))
+    engine = Engine(policy, max_batch_size=max(clients), decode=args.route_decode)
     steps = record_decode_steps(engine)
     await engine.start()
     server = ModelServer(engine, policy)
@@ -276,7 +276,7 @@ async def route_levels(args: argparse.Namespace) -> dict:
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "device": device_name(args.device),
         "model": model,
-        "decode_step": "fast" if engine.decode_step is not None else "model",
+        "decode_step": args.route_decode if engine.decode_step is not None else "model",
         "compute_dtype": str(policy.compute_dtype).removeprefix("torch."),
         "new_tokens": new_tokens,
         "bandwidth_gb_s": gb_s,
@@ -369,6 +369,9 @@ def main() -> None:
     parser.add_argument("--route-shape", default="shape_qwen25_15b")
     parser.add_argument("--clients", type=int, nargs="+", default=CLIENTS)
     parser.add_argument("--route-tokens", type=int, default=64)
+    parser.add_argument(
+        "--route-decode", default="graph", choices=["graph", "fast", "model"], help="engine.decode of the route part"
+    )
     args = parser.parse_args()
     if args.cpu_dry_run:
         args.device = "cpu"

@@ -133,7 +133,7 @@ def update_step(policy, fused: bool, merged: bool | None = None, profile: bool =
         policy, grpo.GRPOConfig(lr=0.0, loss={"type": "dapo", "epsilon_high": None}, micro_batch_size=8)
     )
     advantages = [1.0 if i % 2 else -1.0 for i in range(8)]
-    original = forward.fused_head
+    original = forward.fused_head  # completion_logprobs looks it up in its module
     forward.fused_head = original if fused else (lambda _policy: None)
     try:
         if profile:

@@ -201,9 +201,10 @@ if __name__ == "__main__":
         "--min-requests", type=int, default=8, help="requests per level at least (fewer clients send them in turn)"
     )
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where route_ab.{md,json} go")
     args = parser.parse_args()
     result = main(args)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "route_ab.json").write_text(json.dumps(result, indent=1) + "\n")
-    (RESULTS / "route_ab.md").write_text(markdown(result))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "route_ab.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / "route_ab.md").write_text(markdown(result))
     print(markdown(result))

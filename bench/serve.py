@@ -4,7 +4,8 @@ Route: ``clients`` concurrent ``AsyncOpenAI`` clients send GSM8K chat requests t
 HTTP server (engine + route in this process), 256 new tokens each, forced with the
 ``ignore_eos`` extension and greedy decoding. The engine's decode step alternates between
 ``engine.decode`` variants (``model``: the model's forward; ``fast``: agl/policy/decode.py) within each
-round, same engine, same merged weights, so the machine's other load hits both alike.
+round, same engine, same merged weights, so the machine's other load hits both alike. ``dense`` is ``fast``
+with ``engine.decode_4bit_rows=0``: every step on the dense merged weights, none on the NF4 base.
 
 Limits: a memory probe (GB/s reading a 1 GiB float32 tensor) and a matmul probe (GFLOP/s of a
 2048 x 2048 matmul in the sampler's dtype), best of 5, before and after the runs (the higher kept).
@@ -158,7 +159,14 @@ async def main(args: argparse.Namespace) -> dict:
     policy.model.eval()
     engine = Engine(policy, max_batch_size=max(64, max(args.clients)))
     fast_step = engine.decode_step
-    assert fast_step is not None or "fast" not in args.decode, "agl.policy.decode does not apply to this model"
+    assert fast_step is not None or args.decode == ["model"], "agl.policy.decode does not apply to this model"
+    quantized_rows = fast_step.quantized_rows if fast_step is not None else 0
+
+    def use(variant: str) -> None:
+        engine.decode_step = None if variant == "model" else fast_step
+        if fast_step is not None:
+            fast_step.quantized_rows = 0 if variant == "dense" else quantized_rows
+
     steps = record_decode_steps(engine)
     await engine.start()
     server = ModelServer(engine, policy)
@@ -171,7 +179,7 @@ async def main(args: argparse.Namespace) -> dict:
     }
     try:
         for variant in args.decode:  # warm-up: first-call costs out of the timings
-            engine.decode_step = fast_step if variant == "fast" else None
+            use(variant)
             await route_run(server.base_url, policy.name, gsm8k_messages(2), 2, 4)
         if args.direct:
             direct_run(policy, gsm8k_messages(2), 2, 4)
@@ -179,7 +187,7 @@ async def main(args: argparse.Namespace) -> dict:
             for c in args.clients:
                 order = args.decode if round_ % 2 == 0 else args.decode[::-1]
                 for variant in order:  # the variants back to back on the same work (the engine idles between)
-                    engine.decode_step = fast_step if variant == "fast" else None
+                    use(variant)
                     steps.clear()
                     run = await route_run(server.base_url, policy.name, works[c], c, args.new_tokens)
                     run["steps"] = list(steps)
@@ -202,9 +210,11 @@ async def main(args: argparse.Namespace) -> dict:
                 "tokens_per_s": statistics.median(r["tokens_per_s"] for r in variant_runs),
                 "runs": [{k: v for k, v in r.items() if k != "steps"} for r in variant_runs],
             }
-        if "fast" in runs[c] and "model" in runs[c]:
-            ratios = [f["tokens_per_s"] / m["tokens_per_s"] for f, m in zip(runs[c]["fast"], runs[c]["model"])]
+        other = "model" if "model" in runs[c] else "dense"
+        if "fast" in runs[c] and other in runs[c]:
+            ratios = [f["tokens_per_s"] / m["tokens_per_s"] for f, m in zip(runs[c]["fast"], runs[c][other])]
             level["fast_over_model"] = statistics.median(ratios)
+            level["fast_over"] = other
             level["ratios"] = ratios
         level["limits"] = limits(runs[c][args.decode[0]][0]["steps"], costs, gb_s, gflop_s)
         levels.append(level)
@@ -254,7 +264,11 @@ def markdown(result: dict) -> str:
         "",
         "| clients | "
         + " | ".join(f"{v} tok/s" for v in variants)
-        + (" | fast / model | each round" if "fast_over_model" in result["levels"][0] else "")
+        + (
+            f" | fast / {result['levels'][0]['fast_over']} | each round"
+            if "fast_over_model" in result["levels"][0]
+            else ""
+        )
         + " | steps x rows, width | bandwidth limit tok/s | compute limit tok/s | "
         + f"{variants[-1]} / lower limit |",
         "|---:|"
@@ -303,7 +317,11 @@ if __name__ == "__main__":
     )
     parser.add_argument("--repeats", type=int, default=2, help="rounds; medians are reported")
     parser.add_argument(
-        "--decode", nargs="+", default=["model", "fast"], choices=["model", "fast"], help="engine.decode variants"
+        "--decode",
+        nargs="+",
+        default=["model", "fast"],
+        choices=["model", "dense", "fast"],
+        help="engine.decode variants (dense: fast with engine.decode_4bit_rows=0)",
     )
     parser.add_argument("--direct", action="store_true", help="also time model.generate on the same prompts")
     parser.add_argument("--out", type=Path, default=RESULTS)

@@ -115,3 +115,37 @@ def test_the_engine_samples_the_same_tokens_and_logprobs_either_way(policy):
     for (tokens_fast, logprobs_fast), (tokens_model, logprobs_model) in zip(fast, model):
         assert tokens_fast == tokens_model
         torch.testing.assert_close(torch.tensor(logprobs_fast), torch.tensor(logprobs_model), atol=1e-5, rtol=0)
+
+
+def test_few_rows_read_the_nf4_base_plus_the_lora_as_the_trainer_computes(tiny_model_cfg):
+    """A bf16 sampler's steps of at most ``quantized_rows`` rows read the NF4 base through bitsandbytes' CPU
+    kernel and add the LoRA in float32 (agl.policy.decode.Nf4Projection): the trainer's logits to bf16's
+    rounding, as the dense merged weights give them. A float32 sampler never takes that path."""
+    from agl.policy.decode import _nf4_applies
+
+    fp32 = load_policy(tiny_model_cfg, "cpu")
+    assert decode_step(MergedSampler(fp32.model, fp32.compute_dtype), quantized_rows=8).quantized_rows == 0
+    cfg = tiny_model_cfg.copy()
+    cfg.compute_dtype = "bfloat16"
+    policy = load_policy(cfg, "cpu")
+    policy.model.eval()
+    merged = MergedSampler(policy.model, policy.compute_dtype)
+    if not _nf4_applies(merged):
+        pytest.skip("bitsandbytes' CPU 4-bit kernel needs AVX512-BF16")
+    optimizer_step(policy, lr=0.5)  # a LoRA far from zero, so its part shows
+    policy.model.eval()
+    step = decode_step(merged, quantized_rows=2)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 40000, (2, 12), generator=gen)
+    with torch.inference_mode():
+        expected = policy.model(input_ids=ids).logits[:, -1].float()  # the trainer's (peft + bitsandbytes)
+    got = {}
+    for rows in (2, 0):  # NF4 + LoRA, then the dense merged weights
+        step.quantized_rows = rows
+        cache, _ = prefilled(merged.model(), ids[:, :-1], torch.ones(2, 11, dtype=torch.long))
+        got[rows] = step(ids[:, -1], torch.full((2,), 11), torch.ones(2, 12, dtype=torch.long), cache)
+    assert step._nf4 is not None and step._nf4[0][0].lora is not None
+    scale = expected.abs().max()
+    for logits in got.values():
+        assert (logits - expected).abs().max() < 0.05 * scale  # bf16 rounding: ~2 % of the largest logit seen
+    assert (got[2] - got[0]).abs().max() > 0  # the two paths did run differently

@@ -84,7 +84,12 @@ class EngineConfig:
         "auto", "auto (on when model.compute_dtype=float32) | true | false (agl.runtime.batch_invariant)"
     )
     decode: str = doc(
-        "fast", "fast: agl/policy/decode.py's step for Llama-family merged samplers | model: the model's forward"
+        "fast",
+        "fast: agl/policy/decode.py's step for Llama-family merged samplers | model: the model's forward | "
+        "graph: fast's step in static shapes, replayed as CUDA graphs on a GPU (agl/policy/graph_decode.py)",
+    )
+    decode_4bit_rows: int = doc(
+        8, "fast decode steps of at most this many rows read the NF4 base + LoRA (bf16 on a CPU); 0: always dense"
     )
 
 

@@ -49,6 +49,7 @@ from transformers import DynamicCache
 from agl.config import EngineConfig
 from agl.policy.decode import decode_step
 from agl.policy.grammar import Grammar, GrammarState, allowed_counts, bitmask_words, mask_bias, policy_grammar_tokenizer
+from agl.policy.graph_decode import graph_decode_step
 from agl.policy.kv_cache import add_rows, cache_from_tensors, keep_rows, slot_cache, slot_moves
 from agl.policy.load import Policy
 from agl.policy.sampler_weights import MergedSampler
@@ -174,15 +175,16 @@ def _keep_rows(batch: _Batch, keep: list[int]) -> _Batch:
     )
 
 
-def _own_row(batch: _Batch, row: int) -> _Batch:
+def _own_row(batch: _Batch, row: int, cache_sizes: dict[str, int]) -> _Batch:
     """Row ``row`` of ``batch`` as a batch of its own, with a copy of its cache."""
     first_real = int(batch.mask[row].nonzero()[0])
     tensors = [
         (k[row : row + 1, :, first_real:], v[row : row + 1, :, first_real:]) for k, v in _cache_tensors(batch.cache)
     ]
+    sizes = {**cache_sizes, "min_rows": 1} if cache_sizes else {}  # a batch of one stays one
     return _Batch(
         seqs=[batch.seqs[row]],
-        cache=cache_from_tensors(tensors),
+        cache=cache_from_tensors(tensors, **sizes),
         mask=batch.mask[row : row + 1, first_real:],
         positions=batch.positions[row : row + 1],
         last_tokens=batch.last_tokens[row : row + 1],
@@ -208,6 +210,7 @@ class Engine:
         batch_invariant: bool = False,
         adapter: bool = True,
         decode: str = EngineConfig.decode,
+        decode_4bit_rows: int = EngineConfig.decode_4bit_rows,
     ):
         """``adapter=False``: sample from the frozen base model (the route's helper models), a dense
         copy of the base weights whatever ``weights`` says, since the policy's own modules cannot
@@ -222,10 +225,18 @@ class Engine:
             if weights == "merged" or not adapter
             else None
         )
-        if decode not in ("fast", "model"):
-            raise ValueError(f"engine.decode '{decode}' is not one of: fast, model")
-        # fast: agl.policy.decode's step for Llama-family dense samplers (None where it does not apply)
-        self.decode_step = decode_step(self.merged) if decode == "fast" else None
+        if decode not in ("fast", "model", "graph"):
+            raise ValueError(f"engine.decode '{decode}' is not one of: fast, model, graph")
+        # fast: agl.policy.decode's step for Llama-family dense samplers (None where it does not apply);
+        # graph: the same in static shapes, replayed as a CUDA graph on a GPU (agl.policy.graph_decode)
+        self.decode_step = None
+        self._cache_sizes: dict[str, int] = {}  # a graph step's room in every new KV cache (agl.policy.kv_cache)
+        if decode == "fast":
+            self.decode_step = decode_step(self.merged, decode_4bit_rows)
+        elif decode == "graph":
+            self.decode_step = graph_decode_step(self.merged, capture=None if not batch_invariant else False)
+            if self.decode_step is not None:
+                self._cache_sizes = {"min_rows": max_batch_size, "min_columns": 256}
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.batch_wait_s = batch_wait_s  # let requests sent together be prefilled together
@@ -439,7 +450,7 @@ class Engine:
             for seqs in by_prompt.values():
                 new_rows, logits = self._prefill(seqs)
                 yield seqs, logits, new_rows
-                self._batches += [_own_row(new_rows, i) for i in range(len(seqs))]
+                self._batches += [_own_row(new_rows, i, self._cache_sizes) for i in range(len(seqs))]
         else:
             new_rows, logits = self._prefill(admit)
             yield admit, logits, new_rows
@@ -473,13 +484,15 @@ class Engine:
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
             mask[row, width - len(prompt) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        cache = slot_cache()
+        cache = slot_cache(**self._cache_sizes)
         logits = self._forward(ids, mask, positions, cache)
         rows = torch.tensor([unique[tuple(s.prompt_ids)] for s in seqs])
         self.stats["prefill_tokens"] += sum(len(p) for p in prompts)
         self.stats["prefill_shared_tokens"] += sum(len(s.prompt_ids) for s in seqs) - sum(len(p) for p in prompts)
         if len(prompts) != len(seqs) or not torch.equal(rows, torch.arange(len(seqs))):
-            cache = cache_from_tensors([(k[rows], v[rows]) for k, v in _cache_tensors(cache)])  # a row per sequence
+            cache = cache_from_tensors(  # a row per sequence
+                [(k[rows], v[rows]) for k, v in _cache_tensors(cache)], **self._cache_sizes
+            )
         batch = _Batch(
             seqs=list(seqs),
             cache=cache,
@@ -526,10 +539,15 @@ class Engine:
         self, seqs: list[SequenceStream], logits: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, list, list[int]]:
         """Sample one token per row with that row's own temperature, top-p, seed and grammar (a greedy
-        row, a T=1 row and a T=0.7, top_p=0.9 row in one batch each get their own distribution)."""
+        row, a T=1 row and a T=0.7, top_p=0.9 row in one batch each get their own distribution).
+
+        Runs on the logits' device (a GPU's, after a graph step: agl.policy.graph_decode); the draws' uniforms
+        come from the host's generators as ever, so a seeded request draws the same whatever its batch and
+        device. What comes back to the host is a token and a log-prob per row (and any top log-probs)."""
+        device = logits.device
         temps = torch.tensor([s.params.temperature for s in seqs])
         greedy = temps <= GREEDY
-        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None]  # [B, V]
+        scaled = logits / torch.where(greedy, torch.ones_like(temps), temps)[:, None].to(device)  # [B, V]
         allowed = self._apply_grammars(seqs, scaled)
         logprobs_all = torch.log_softmax(scaled, dim=-1)  # [B, V] the recorded distribution
         tokens = logprobs_all.argmax(-1)
@@ -538,9 +556,10 @@ class Engine:
             probs = logprobs_all[sample_rows].exp()  # [S, V]
             top_ps = torch.tensor([seqs[i].params.top_p for i in sample_rows])
             if (top_ps < 1).any():
-                probs = _top_p_filter(probs, top_ps)
-            tokens[sample_rows] = draw(probs, self._uniforms([seqs[i] for i in sample_rows]))
+                probs = _top_p_filter(probs, top_ps.to(device))
+            tokens[sample_rows] = draw(probs, self._uniforms([seqs[i] for i in sample_rows]).to(device))
         chosen = logprobs_all.gather(1, tokens[:, None])[:, 0]
+        tokens, chosen = tokens.cpu(), chosen.cpu()
         for row, seq in enumerate(seqs):
             if seq.grammar is not None and seq.error is None and not seq.grammar.consume(int(tokens[row])):
                 seq.error = f"the grammar did not accept the sampled token {int(tokens[row])}: {seq.grammar.error}"
@@ -571,11 +590,11 @@ class Engine:
                 seqs[i].error = f"the grammar allows no token: {seqs[i].grammar.error or 'it is in an error state'}"
                 bitmask_RW[r] = -1
             allowed[i] = counts[r]
-        bias_RV = mask_bias(bitmask_RW, V)
+        bias_RV = mask_bias(bitmask_RW, V).to(scaled_BV.device)
         if len(rows) == len(seqs):
             scaled_BV.add_(bias_RV)
         else:
-            scaled_BV.index_add_(0, torch.tensor(rows), bias_RV)
+            scaled_BV.index_add_(0, torch.tensor(rows, device=scaled_BV.device), bias_RV)
         return allowed
 
 

@@ -27,6 +27,8 @@ masked NaN value would still poison ``0 * v`` in the attention's weighted sum).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
@@ -35,8 +37,12 @@ from transformers.cache_utils import DynamicLayer
 class SlotLayer(DynamicLayer):
     slack = 64  # spare columns in a new buffer
 
-    def __init__(self, **kwargs):
+    def __init__(self, min_rows: int = 0, min_columns: int = 0, **kwargs):
+        """``min_rows``/``min_columns``: a new buffer has at least these row slots and columns, and
+        columns grow to twice the live width (agl.policy.graph_decode: a CUDA graph is captured on
+        the buffers, so they should rarely be replaced). 0: exactly the rows needed, width + ``slack``."""
         super().__init__(**kwargs)
+        self.min_rows, self.min_columns = min_rows, min_columns
         self.buffers: tuple[torch.Tensor, torch.Tensor] | None = None  # (keys, values) storage
         self.rows = self.start = self.end = 0  # the live part: rows [:rows], columns [start:end]
         self._views: tuple[torch.Tensor, torch.Tensor] | None = None  # what keys/values were last set to
@@ -55,8 +61,7 @@ class SlotLayer(DynamicLayer):
         if key_states.shape[0] != self.rows:
             raise ValueError(f"{key_states.shape[0]} rows appended to a cache of {self.rows}")
         added = key_states.shape[-2]
-        if self.end + added > self.buffers[0].shape[-2]:  # out of columns: compact to column 0 with room
-            self._rebuffer(self.buffers[0].shape[0], self._columns_for(self.end - self.start + added), offset=0)
+        self.reserve(added)
         for buffer, states in zip(self.buffers, (key_states, value_states)):
             buffer[: self.rows, :, self.end : self.end + added] = states
         self.end += added
@@ -75,6 +80,12 @@ class SlotLayer(DynamicLayer):
         if self.buffers is not None and tokens_to_remove:
             self.end = max(self.start, self.end + tokens_to_remove)
             self._publish()
+
+    def reserve(self, added: int) -> None:
+        """Room for ``added`` more columns after the live ones: out of columns, the live part is
+        compacted to column 0 of a new buffer with room."""
+        if self.end + added > self.buffers[0].shape[-2]:
+            self._rebuffer(self.buffers[0].shape[0], self._columns_for(self.end - self.start + added), offset=0)
 
     # -- the engine's row operations
     def keep_rows(self, moves: list[tuple[int, int]], rows: int, drop_columns: int = 0) -> None:
@@ -100,7 +111,9 @@ class SlotLayer(DynamicLayer):
         slots, capacity = self.buffers[0].shape[0], self.buffers[0].shape[-2]
         if self.rows + added > slots or self.end < width:
             offset = width - (self.end - self.start)  # room on the left for the new rows' longer prompts
-            self._rebuffer(max(slots, self.rows + added), max(capacity, self._columns_for(width)), offset)
+            self._rebuffer(
+                max(slots, self.rows + added, self.min_rows), max(capacity, self._columns_for(width)), offset
+            )
         for buffer, states in zip(self.buffers, (keys, values)):
             buffer[self.rows : self.rows + added, :, self.end - columns : self.end] = states
         self.rows += added
@@ -110,15 +123,17 @@ class SlotLayer(DynamicLayer):
     # -- storage
     def _columns_for(self, width: int) -> int:
         """The columns of a new buffer for a live part ``width`` wide."""
+        if self.min_columns:
+            return max(self.min_columns, 2 * width, width + self.slack)
         return width + self.slack
 
     def _load(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Take ``keys``/``values`` [rows, kv_heads, T, head_dim] as the whole live part (a copy)."""
         rows, columns = keys.shape[0], keys.shape[-2]
-        shape = (rows, keys.shape[1], self._columns_for(columns), keys.shape[-1])
+        shape = (max(rows, self.min_rows), keys.shape[1], self._columns_for(columns), keys.shape[-1])
         self.buffers = (keys.new_zeros(shape), values.new_zeros(shape[:-1] + values.shape[-1:]))
-        self.buffers[0][:, :, :columns] = keys
-        self.buffers[1][:, :, :columns] = values
+        self.buffers[0][:rows, :, :columns] = keys
+        self.buffers[1][:rows, :, :columns] = values
         self.rows, self.start, self.end = rows, 0, columns
 
     def _rebuffer(self, slots: int, capacity: int, offset: int) -> None:
@@ -151,17 +166,24 @@ class SlotLayer(DynamicLayer):
             self._publish()
 
 
-def slot_cache() -> DynamicCache:
+def slot_cache(min_rows: int = 0, min_columns: int = 0) -> DynamicCache:
+    """An empty slot cache; ``min_rows``/``min_columns``: see ``SlotLayer``."""
     cache = DynamicCache()
-    cache.layer_class_to_replicate = SlotLayer
+    cache.layer_class_to_replicate = (
+        functools.partial(SlotLayer, min_rows=min_rows, min_columns=min_columns)
+        if min_rows or min_columns
+        else SlotLayer
+    )
     return cache
 
 
-def cache_from_tensors(tensors: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
+def cache_from_tensors(
+    tensors: list[tuple[torch.Tensor, torch.Tensor]], min_rows: int = 0, min_columns: int = 0
+) -> DynamicCache:
     """A new slot cache holding (a copy of) each layer's ``(keys, values)``."""
-    cache = slot_cache()
+    cache = slot_cache(min_rows, min_columns)
     for keys, values in tensors:
-        layer = SlotLayer()
+        layer = SlotLayer(min_rows=min_rows, min_columns=min_columns)
         layer.update(keys, values)
         cache.layers.append(layer)
     return cache

@@ -12,6 +12,13 @@ gradient through the same merged weight, and A and B theirs from two skinny prod
 The gradients are peft's, summed in another order; the activations kept for backward are the
 same size. Measured (memory and time against peft's): BENCHMARKS.md "The update's merged LoRA layers".
 
+Within one ``merged_lora_layers`` block (an update, an SFT step) each merged weight is built once and kept:
+the forward, its replay under activation checkpointing and the backward of every micro-batch use it, instead
+of dequantizing the 4-bit weight and adding the LoRA product three times a micro-batch. A LoRA changed in
+place (an optimizer step inside the block) is noticed by its tensors' version counters and merged again. The
+weights are the same bytes as merged per call; they cost the dense model's size in the compute dtype for the
+block's length (docs/benchmarks-history.md "An engine bound by the hardware").
+
 ``auto`` turns it on where the policy computes in float32, where the merged weight differs from
 the base weight plus the LoRA product by fp32 rounding only, and it is then the very matrix the
 sampler samples from. In bf16 the merge would round the adapter's small delta into bf16 weights:
@@ -46,11 +53,13 @@ class _MergedLinear(torch.autograd.Function):
         base: torch.nn.Module,
         scale: float,
         dtype: torch.dtype,
+        cache: dict,
     ) -> torch.Tensor:
         ctx.save_for_backward(x, lora_A, lora_B)
-        ctx.base, ctx.scale, ctx.dtype = base, scale, dtype
+        ctx.base, ctx.scale, ctx.dtype, ctx.cache = base, scale, dtype, cache
         bias = None if base.bias is None else base.bias.to(dtype)
-        return torch.nn.functional.linear(x.to(dtype), _merged(base, lora_A, lora_B, scale, dtype), bias).to(x.dtype)
+        weight = _cached(cache, base, lora_A, lora_B, scale, dtype)
+        return torch.nn.functional.linear(x.to(dtype), weight, bias).to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad_y: torch.Tensor) -> tuple:
@@ -58,14 +67,26 @@ class _MergedLinear(torch.autograd.Function):
         needs_x, needs_A, needs_B = ctx.needs_input_grad[:3]  # e.g. the first layer's input has no gradient to take
         grad_x = grad_A = grad_B = None
         if needs_x:
-            grad_x = (grad_y.to(ctx.dtype) @ _merged(ctx.base, lora_A, lora_B, ctx.scale, ctx.dtype)).to(x.dtype)
+            weight = _cached(ctx.cache, ctx.base, lora_A, lora_B, ctx.scale, ctx.dtype)
+            grad_x = (grad_y.to(ctx.dtype) @ weight).to(x.dtype)
         grad_NO = grad_y.reshape(-1, grad_y.shape[-1]).to(lora_B.dtype)
         x_NI = x.reshape(-1, x.shape[-1]).to(lora_A.dtype)
         if needs_B:
             grad_B = (grad_NO.T @ (x_NI @ lora_A.T)).mul_(ctx.scale)
         if needs_A:
             grad_A = ((grad_NO @ lora_B).T @ x_NI).mul_(ctx.scale)
-        return grad_x, grad_A, grad_B, None, None, None
+        return grad_x, grad_A, grad_B, None, None, None, None
+
+
+def _cached(
+    cache: dict, base: torch.nn.Module, lora_A: torch.Tensor, lora_B: torch.Tensor, scale: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """``_merged``, kept in ``cache`` (one ``merged_lora_layers`` block's) while the LoRA tensors are unchanged."""
+    key = (lora_A.data_ptr(), lora_A._version, lora_B.data_ptr(), lora_B._version, scale, dtype)
+    kept = cache.get(base)
+    if kept is None or kept[0] != key:
+        kept = cache[base] = (key, _merged(base, lora_A, lora_B, scale, dtype))
+    return kept[1]
 
 
 def _merged(
@@ -76,7 +97,7 @@ def _merged(
     return delta.add_(base_weight(base)).to(dtype)  # in place on the product (a sum is the same either way round)
 
 
-def _forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+def _forward(layer: Any, cache: dict, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     adapter = _plain_adapter(layer)
     if adapter is None or args or kwargs:  # anything but one plain LoRA: peft's own forward
         return type(layer).forward(layer, x, *args, **kwargs)
@@ -85,7 +106,7 @@ def _forward(layer: Any, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Te
         base.weight.dtype if base.weight.is_floating_point() else x.dtype
     )  # as the base layer computes
     return _MergedLinear.apply(
-        x, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight, base, layer.scaling[adapter], dtype
+        x, layer.lora_A[adapter].weight, layer.lora_B[adapter].weight, base, layer.scaling[adapter], dtype, cache
     )
 
 
@@ -127,12 +148,15 @@ def merged_layers(model: Any) -> list[Any]:
 
 @contextlib.contextmanager
 def merged_lora_layers(model: Any, enabled: bool = True) -> Iterator[None]:
-    """Within: ``model``'s plain LoRA linear layers run as one merged matmul (``enabled``)."""
+    """Within: ``model``'s plain LoRA linear layers run as one merged matmul (``enabled``), each merged
+    weight built once for the block (see the module's docstring)."""
     layers = merged_layers(model) if enabled else []
-    for layer in layers:
-        layer.forward = functools.partial(_forward, layer)  # an instance attribute: the class's forward stays as is
+    cache: dict = {}  # base layer -> (the LoRA's tensors and versions, the merged weight)
+    for layer in layers:  # an instance attribute: the class's forward stays as is
+        layer.forward = functools.partial(_forward, layer, cache)
     try:
         yield
     finally:
+        cache.clear()
         for layer in layers:
             del layer.forward
