@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 from filelock import FileLock
 from omegaconf import OmegaConf
-from store_helpers import FakeClock
+from store_helpers import FakeClock, client_of
 
 from agl.config import register_configs
 from agl.store import SqliteStore
@@ -114,7 +114,9 @@ def tiny_model_cfg():
     return OmegaConf.create(TINY_MODEL)
 
 
-# The store tests': a fake clock, a store file in tmp_path, and a store on both.
+# The store tests': a fake clock, a store file in tmp_path, and a store on both: the store's behaviour suite
+# runs on the local store and on a client of it served over HTTP (agl/store/server.py, in this process:
+# tests/store_helpers.client_of), so every test taking `store` runs on both.
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
@@ -125,11 +127,29 @@ def path(tmp_path: Path) -> Path:
     return tmp_path / "run" / "store.sqlite"
 
 
+@pytest.fixture(params=["local", "client"])
+def store_kind(request) -> str:
+    return request.param
+
+
 @pytest_asyncio.fixture
-async def store(path: Path, clock: FakeClock):
+async def local_store(path: Path, clock: FakeClock):
+    """The store itself, for a test of how it reads its file (query plans), not of its API."""
     s = SqliteStore(path, clock=clock, watchdog_interval=None)
     yield s
     await s.close()
+
+
+@pytest_asyncio.fixture
+async def store(path: Path, clock: FakeClock, store_kind: str):
+    local = SqliteStore(path, clock=clock, watchdog_interval=None)
+    if store_kind == "local":
+        yield local
+    else:
+        client = client_of(local)
+        yield client
+        await client.close()
+    await local.close()
 
 
 # A small finished GRPO run (harness.py in a process of its own, forked: tests/prefork.py): a multi-turn agent
