@@ -114,7 +114,7 @@ from agl.route.responses_endpoint import ResponsesEndpoint
 from agl.route.streaming import ClientGone, interleaved, sse_line, unless_disconnected
 from agl.route.tool_calls import ToolCallParser
 from agl.seeding import CallCounter, call_seed
-from agl.store import charged_attempt_number
+from agl.store import charged_attempt_number, is_harness_ended
 
 log = logging.getLogger(__name__)
 
@@ -422,6 +422,12 @@ class ModelServer:
             raise conflict(
                 f"Attempt '{attempt_id}' of rollout '{rollout_id}' already finished ({attempt.status}).",
                 code="attempt_finished",
+            )
+        if is_harness_ended(attempt):  # its runner's session ended (R7): a late call must not revive it (R3)
+            raise conflict(
+                f"Attempt '{attempt_id}' of rollout '{rollout_id}' was handed back to the queue when its runner's "
+                "store session ended.",
+                code="attempt_handed_back",
             )
         scope = (rollout_id, attempt_id)
         call_number = self.call_numbers.next(scope)

@@ -30,6 +30,7 @@ from agl.types import UNSET, Unset
 
 SESSION_HEADER = "X-AGL-Session"  # names the client session a call is made for
 MAX_WAIT_S = 30.0  # one wait_for_rollouts request waits at most this long; the client asks again for the rest
+KEEPALIVE_S = 20.0  # a client closes a connection idle this long; the server waits longer (server.py)
 
 # The methods a client may call, in the order of SqliteStore's docs. Left out: the lifecycle of the store
 # itself (open, close, the watchdog: the server's), and the server-facing session methods (client sessions

@@ -9,9 +9,10 @@ errors: a `ValueError` for an unknown id is a `ValueError` here too, a `Rollout`
 The store's docstring is the contract; this module only carries it.
 
 A client is a store session of its own (rules.py R7), opened on its first call (or `open()`, `async with`)
-and kept alive by heartbeats, a request each `heartbeat_interval` from a task (a thread, for the sync
-client). `session_id` names it; the attempts it dequeues are its own. `close()` ends it: its attempts in
-flight go back to the queue uncharged, as a local store's close does. If its heartbeats stop (the process
+and kept alive by heartbeats, a request each `heartbeat_interval` from a thread of its own (so a process
+whose event loop is busy, in a job's update or under an agent that blocks it, is alive all the same).
+`session_id` names it; the attempts it dequeues are its own. `close()` ends it: its attempts in flight go
+back to the queue uncharged, as a local store's close does. If its heartbeats stop (the process
 died, or the network was cut) for the server's `store.session_timeout`, the server ends it as dead, with
 the same effect.
 
@@ -25,7 +26,7 @@ gives its session up and joins again, agl/agents/attach.py; a job stops and resu
     what an agent made of it (its calls to the route went the same way) says nothing about the agent.
 
 Requests that could not connect (nothing was sent) are tried again for `connect_retry_s`, so a server that
-restarts is waited for. `wait_for_rollouts` waits in requests of at most 30 s each (server.MAX_WAIT_S).
+restarts is waited for. `wait_for_rollouts` waits in requests of at most 30 s each (api.MAX_WAIT_S).
 """
 
 from __future__ import annotations
@@ -39,16 +40,17 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 import httpx
 
 from agl.errors import ConfigError, DiskFull
-from agl.store.api import MAX_WAIT_S, METHODS, SESSION_HEADER, Method, methods
+from agl.store.api import KEEPALIVE_S, MAX_WAIT_S, METHODS, SESSION_HEADER, Method, methods
 from agl.store.db import ReadOnlyStoreError, StoreDamaged
 from agl.store.sessions import SessionEnded
 from agl.store.store import SqliteStore
+from agl.types import Rollout
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +79,7 @@ ERRORS: dict[str, type[BaseException]] = {
         ConfigError,
     )
 }
+LIMITS = httpx.Limits(max_connections=256, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S)
 # nothing was sent: safe to try again (a retry of a request that reached the server could run it twice)
 NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
@@ -153,6 +156,39 @@ class _Wire:
         return MAX_WAIT_S + 60.0 if method.name == "wait_for_rollouts" else None
 
 
+class _Heartbeats:
+    """A session's heartbeats from a thread of their own, with a connection of their own: a process whose
+    event loop is busy (a job's update, an agent that blocks it) is alive all the same. `on_ended` is called
+    (from the thread) when the server says the session has ended."""
+
+    def __init__(self, wire: _Wire, on_ended: Callable[[str], None], transport: Optional[httpx.BaseTransport] = None):
+        self.wire, self.on_ended = wire, on_ended
+        self.http = httpx.Client(base_url=wire.url, transport=transport, timeout=10.0)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="agl-store-heartbeat", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        wire = self.wire
+        try:
+            while not self.stopped.wait(wire.interval()):
+                try:
+                    response = self.http.post(f"/v1/sessions/{wire.session_id}/heartbeat", headers=wire.headers())
+                except httpx.TransportError as error:
+                    wire.disconnects += 1
+                    log.warning("store client of %s: a heartbeat could not reach the store (%r)", wire.url, error)
+                    continue
+                if response.status_code == 409:
+                    self.on_ended(f"its store session {wire.session_id} was ended by the store (no heartbeat in time)")
+                    return
+        finally:
+            self.http.close()
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+
+
 def _timeout(read: Optional[float]) -> httpx.Timeout:
     return httpx.Timeout(connect=10.0, read=read if read is not None else 300.0, write=300.0, pool=60.0)
 
@@ -182,14 +218,13 @@ class StoreClient:
     ):
         self._wire = _Wire(url, api_key, heartbeat_interval, connect_retry_s)
         self._http = httpx.AsyncClient(
-            base_url=self._wire.url,
-            transport=transport,
-            timeout=_timeout(None),
-            limits=httpx.Limits(max_connections=256),
+            base_url=self._wire.url, transport=transport, timeout=_timeout(None), limits=LIMITS
         )
         self._on_broken = on_broken
         self._open_lock: Optional[asyncio.Lock] = None
+        self._in_process = transport is not None  # an ASGI transport (tests): heartbeats on the loop, as a task
         self._heartbeat: Optional[asyncio.Task] = None
+        self._heartbeats: Optional[_Heartbeats] = None
 
     @property
     def url(self) -> str:
@@ -226,7 +261,11 @@ class StoreClient:
             if self._wire.session_id is None:
                 response = await self._send("POST", "/v1/sessions", json=self._wire.session_request())
                 self._wire.opened(response)
-                self._heartbeat = asyncio.create_task(self._heartbeats(), name="agl-store-heartbeat")
+                if self._in_process:
+                    self._heartbeat = asyncio.create_task(self._beat_on_loop(), name="agl-store-heartbeat")
+                else:
+                    loop = asyncio.get_running_loop()
+                    self._heartbeats = _Heartbeats(self._wire, lambda why: loop.call_soon_threadsafe(self._break, why))
         return self
 
     async def close(self) -> None:
@@ -239,6 +278,8 @@ class StoreClient:
             self._heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._heartbeat
+        if self._heartbeats is not None:
+            await asyncio.to_thread(self._heartbeats.stop)
         if self._wire.session_id is not None:
             with contextlib.suppress(httpx.HTTPError):
                 await self._http.delete(
@@ -295,34 +336,27 @@ class StoreClient:
             self._break(f"its store session {self.session_id} has ended")
             raise
 
-    async def _heartbeats(self) -> None:
+    async def _beat_on_loop(self) -> None:
+        """Heartbeats as a task of the loop, for a client on an in-process transport (tests)."""
         while True:
             await asyncio.sleep(self._wire.interval())
             try:
                 response = await self._http.post(
                     f"/v1/sessions/{self._wire.session_id}/heartbeat", headers=self._wire.headers(), timeout=10.0
                 )
-            except httpx.TransportError as error:
+            except httpx.TransportError:
                 self._wire.disconnects += 1
-                log.warning("store client of %s: a heartbeat could not reach the store (%r)", self.url, error)
                 continue
             if response.status_code == 409:
                 self._break(f"its store session {self.session_id} was ended by the store (no heartbeat in time)")
                 return
 
-    async def wait_for_rollouts(self, rollout_ids: Any, timeout: Optional[float] = None) -> list:
-        """`SqliteStore.wait_for_rollouts`, in requests of at most 30 s each."""
-        wanted = list(dict.fromkeys(rollout_ids))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        done: dict[str, Any] = {}
-        method = methods()["wait_for_rollouts"]
-        while True:
-            pending = [rid for rid in wanted if rid not in done]
-            left = MAX_WAIT_S if deadline is None else max(0.0, min(deadline - time.monotonic(), MAX_WAIT_S))
-            for rollout in await self._call(method, {"rollout_ids": pending, "timeout": left}):
-                done[rollout.rollout_id] = rollout
-            if len(done) == len(wanted) or (deadline is not None and time.monotonic() >= deadline):
-                return [done[rid] for rid in rollout_ids if rid in done]
+    async def _wait(self, rollout_ids: Sequence[str], timeout: Optional[float]) -> list[Rollout]:
+        """`wait_for_rollouts`, in requests of at most `MAX_WAIT_S` each."""
+        waiting = _Waiting(rollout_ids, timeout)
+        while not waiting.over():
+            waiting.add(await self._call(methods()["wait_for_rollouts"], waiting.request()))
+        return waiting.result()
 
 
 class SyncStoreClient:
@@ -339,10 +373,10 @@ class SyncStoreClient:
         transport: Optional[httpx.BaseTransport] = None,
     ):
         self._wire = _Wire(url, api_key, heartbeat_interval, connect_retry_s)
-        self._http = httpx.Client(base_url=self._wire.url, transport=transport, timeout=_timeout(None))
+        self._http = httpx.Client(base_url=self._wire.url, transport=transport, timeout=_timeout(None), limits=LIMITS)
+        self._transport = transport
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._heartbeat: Optional[threading.Thread] = None
+        self._heartbeats: Optional[_Heartbeats] = None
 
     url = StoreClient.url
     path = StoreClient.path
@@ -356,8 +390,7 @@ class SyncStoreClient:
             if self._wire.session_id is None:
                 self._wire.check_usable()
                 self._wire.opened(self._send("POST", "/v1/sessions", json=self._wire.session_request()))
-                self._heartbeat = threading.Thread(target=self._heartbeats, name="agl-store-heartbeat", daemon=True)
-                self._heartbeat.start()
+                self._heartbeats = _Heartbeats(self._wire, self._wire.lost, self._transport)
         return self
 
     def close(self) -> None:
@@ -365,9 +398,8 @@ class SyncStoreClient:
         if self._wire.closed:
             return
         self._wire.closed = True
-        self._stop.set()
-        if self._heartbeat is not None:
-            self._heartbeat.join()
+        if self._heartbeats is not None:
+            self._heartbeats.stop()
         if self._wire.session_id is not None:
             with contextlib.suppress(httpx.HTTPError):
                 self._http.delete(f"/v1/sessions/{self._wire.session_id}", headers=self._wire.headers(), timeout=10.0)
@@ -405,32 +437,39 @@ class SyncStoreClient:
         )
         return self._wire.result(method, response)
 
-    def _heartbeats(self) -> None:
-        while not self._stop.wait(self._wire.interval()):
-            try:
-                response = self._http.post(
-                    f"/v1/sessions/{self._wire.session_id}/heartbeat", headers=self._wire.headers(), timeout=10.0
-                )
-            except httpx.TransportError:
-                self._wire.disconnects += 1
-                continue
-            if response.status_code == 409:
-                self._wire.lost(f"its store session {self.session_id} was ended by the store (no heartbeat in time)")
-                return
+    def _wait(self, rollout_ids: Sequence[str], timeout: Optional[float]) -> list[Rollout]:
+        """`wait_for_rollouts`, in requests of at most `MAX_WAIT_S` each."""
+        waiting = _Waiting(rollout_ids, timeout)
+        while not waiting.over():
+            waiting.add(self._call(methods()["wait_for_rollouts"], waiting.request()))
+        return waiting.result()
 
-    def wait_for_rollouts(self, rollout_ids: Any, timeout: Optional[float] = None) -> list:
-        """`SqliteStore.wait_for_rollouts`, in requests of at most 30 s each."""
-        wanted = list(dict.fromkeys(rollout_ids))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        done: dict[str, Any] = {}
-        method = methods()["wait_for_rollouts"]
-        while True:
-            pending = [rid for rid in wanted if rid not in done]
-            left = MAX_WAIT_S if deadline is None else max(0.0, min(deadline - time.monotonic(), MAX_WAIT_S))
-            for rollout in self._call(method, {"rollout_ids": pending, "timeout": left}):
-                done[rollout.rollout_id] = rollout
-            if len(done) == len(wanted) or (deadline is not None and time.monotonic() >= deadline):
-                return [done[rid] for rid in rollout_ids if rid in done]
+
+class _Waiting:
+    """One `wait_for_rollouts` made of requests of at most `MAX_WAIT_S`: what each asks, and when it is over."""
+
+    def __init__(self, rollout_ids: Sequence[str], timeout: Optional[float]):
+        self.asked = list(rollout_ids)
+        self.wanted = list(dict.fromkeys(self.asked))
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.done: dict[str, Rollout] = {}
+        self.asked_once = False
+
+    def request(self) -> dict[str, Any]:
+        self.asked_once = True
+        left = MAX_WAIT_S if self.deadline is None else max(0.0, min(self.deadline - time.monotonic(), MAX_WAIT_S))
+        return {"rollout_ids": [rid for rid in self.wanted if rid not in self.done], "timeout": left}
+
+    def add(self, finished: list[Rollout]) -> None:
+        self.done.update((r.rollout_id, r) for r in finished)
+
+    def over(self) -> bool:
+        if not self.asked_once:
+            return False
+        return len(self.done) == len(self.wanted) or (self.deadline is not None and time.monotonic() >= self.deadline)
+
+    def result(self) -> list[Rollout]:
+        return [self.done[rid] for rid in self.asked if rid in self.done]
 
 
 def _remote(name: str, blocking: bool) -> Callable:
@@ -438,11 +477,15 @@ def _remote(name: str, blocking: bool) -> Callable:
     local = getattr(SqliteStore, name)
     signature = inspect.signature(local)  # the wire's models are built on the first call (api.methods)
 
+    waits = name == "wait_for_rollouts"  # a long wait is several requests (`_wait`)
+
     if blocking:
 
         def call(self: SyncStoreClient, *args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(self, *args, **kwargs).arguments
             bound.pop("self")
+            if waits:
+                return self._wait(bound["rollout_ids"], bound.get("timeout"))
             return self._call(methods()[name], bound)
 
     else:
@@ -450,6 +493,8 @@ def _remote(name: str, blocking: bool) -> Callable:
         async def call(self: StoreClient, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
             bound = signature.bind(self, *args, **kwargs).arguments
             bound.pop("self")
+            if waits:
+                return await self._wait(bound["rollout_ids"], bound.get("timeout"))
             return await self._call(methods()[name], bound)
 
     return functools.wraps(local)(call)
@@ -457,9 +502,8 @@ def _remote(name: str, blocking: bool) -> Callable:
 
 def _install() -> None:
     for name in METHODS:
-        if name != "wait_for_rollouts":  # its own, above: a long wait is several requests
-            setattr(StoreClient, name, _remote(name, blocking=False))
-            setattr(SyncStoreClient, name, _remote(name, blocking=True))
+        setattr(StoreClient, name, _remote(name, blocking=False))
+        setattr(SyncStoreClient, name, _remote(name, blocking=True))
 
 
 _install()

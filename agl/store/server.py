@@ -54,7 +54,7 @@ from starlette.routing import Route
 
 from agl.config import check_exposure
 from agl.errors import ConfigError, DiskFull
-from agl.store.api import MAX_WAIT_S, SESSION_HEADER, Method, methods
+from agl.store.api import KEEPALIVE_S, MAX_WAIT_S, SESSION_HEADER, Method, methods
 from agl.store.db import ReadOnlyStoreError
 from agl.store.sessions import SessionEnded
 from agl.store.store import SqliteStore
@@ -156,7 +156,15 @@ class StoreServer:
         sock.setblocking(False)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
-            self.app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5, **self.ssl
+            self.app,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=5,
+            # longer than a client keeps an idle connection (client.KEEPALIVE_S): the client always closes it
+            # first, so a request never races the server closing the connection it was sent on (a ReadError)
+            timeout_keep_alive=KEEPALIVE_S * 3,
+            **self.ssl,
         )
         self._server = _EmbeddedUvicorn(config)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="agl-store-server")
