@@ -49,6 +49,7 @@ from agl.config import (
     client_api_key,
     config_record,
     is_loopback,
+    store_ssl,
     typed,
 )
 from agl.errors import ConfigError, DiskFull
@@ -216,6 +217,7 @@ class Runtime:
                 api_key=settings.api_key,
                 allow_public=settings.allow_public,
                 session_timeout=settings.session_timeout,
+                ssl=store_ssl(settings),
             )
             await self.store_server.start()
 

@@ -23,6 +23,9 @@ from agl.store import SqliteStore
 os.environ["AGL_EVAL_CACHE"] = tempfile.mkdtemp(prefix="agl-test-evals-")
 atexit.register(shutil.rmtree, os.environ["AGL_EVAL_CACHE"], ignore_errors=True)
 
+# tests/test_ray.py is the Ray lane's (make test-ray, in .venv-ray: Ray is an extra the main venv does not carry)
+collect_ignore = [] if os.environ.get("AGL_LANE") == "ray" else ["test_ray.py"]
+
 register_configs()  # conf/ names the typed schemas (agl/config/schema.py): tests compose it with Hydra's compose API
 
 # The tiny random-weight Llama with the real SmolLM2 tokenizer (conf/model/tiny.yaml, resolved:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -198,3 +199,28 @@ def test_a_sync_client_heartbeats_from_its_thread(tmp_path: Path):
     finally:
         loop.call_soon_threadsafe(stop.set)
         thread.join(timeout=30)
+
+
+@asyncio_test
+async def test_https_with_uvicorns_ssl_options(path: Path, tmp_path: Path, monkeypatch):
+    """store.ssl_certfile / store.ssl_keyfile: the server speaks TLS; a client trusts its CA (SSL_CERT_FILE)."""
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1"]
+        + ["-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True,
+        capture_output=True,
+    )
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    local = SqliteStore(path, watchdog_interval=None)
+    server = StoreServer(local, port=0, api_key="sekret", ssl={"ssl_certfile": str(cert), "ssl_keyfile": str(key)})
+    await server.start()
+    try:
+        assert server.url.startswith("https://127.0.0.1:")
+        async with StoreClient(server.url, "sekret") as secure:
+            assert (await secure.enqueue_rollout("x")).rollout_id == "ro-000001"
+        with pytest.raises(StoreUnreachable):  # plain HTTP to a TLS port: the connection fails, nothing is stored
+            await StoreClient(server.url.replace("https", "http"), "sekret", connect_retry_s=0).query_rollouts()
+    finally:
+        await server.stop()
+        await local.close()

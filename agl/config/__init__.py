@@ -37,6 +37,7 @@ from agl.config.schema import (
     is_loopback,
     plain,
     register_configs,
+    store_ssl,
     to_typed,
     typed,
     with_schema,
@@ -79,6 +80,7 @@ __all__ = [
     "to_typed",
     "extra_keys",
     "register_configs",
+    "store_ssl",
     "typed",
     "with_schema",
 ]

@@ -149,6 +149,13 @@ class StoreConfig:
         "seconds without a heartbeat after which a client's session (a runner or job joined by URL) is ended: its "
         "attempts go back to the queue uncharged (agl/store/sessions.py)",
     )
+    ssl_certfile: Optional[str] = doc(None, "serve HTTPS with this certificate (PEM; uvicorn's ssl_certfile)")
+    ssl_keyfile: Optional[str] = doc(None, "... and this private key (PEM); clients trust the certificate's CA")
+
+
+def store_ssl(store: Any) -> dict[str, str]:
+    """``store.ssl_*`` as uvicorn's ssl options (empty: plain HTTP)."""
+    return {k: v for k, v in (("ssl_certfile", store.ssl_certfile), ("ssl_keyfile", store.ssl_keyfile)) if v}
 
 
 def is_loopback(host: str) -> bool:

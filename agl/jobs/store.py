@@ -23,7 +23,7 @@ import signal
 import threading
 from pathlib import Path
 
-from agl.config import Config
+from agl.config import Config, store_ssl
 from agl.errors import ConfigError
 from agl.store import SqliteStore
 from agl.store.server import StoreServer
@@ -50,6 +50,7 @@ async def serve_store(config: Config, run_dir: Path) -> dict:
             api_key=settings.api_key,
             allow_public=settings.allow_public,
             session_timeout=settings.session_timeout,
+            ssl=store_ssl(settings),
         )
         await server.start()
         parts.push_async_callback(server.stop)

@@ -91,6 +91,23 @@ class SessionRequest(BaseModel):
     pid: int
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A bound TCP socket (port 0: a free one) for uvicorn to serve on. Made with ``IPPROTO_TCP`` named: asyncio
+    sets ``TCP_NODELAY`` only on accepted sockets whose ``proto`` says TCP, and an accepted socket has its
+    listener's. Without it (``socket.socket(AF_INET, SOCK_STREAM)`` has proto 0) a reply's body, written after its
+    headers, waits for the client's delayed ACK: about 40 ms a request (bench/store.py --client)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
+
+
 class _EmbeddedUvicorn(uvicorn.Server):
     """uvicorn without its signal handlers: Ctrl-C belongs to the process that serves, not to uvicorn."""
 
@@ -143,17 +160,13 @@ class StoreServer:
         if self._task is not None:
             return
         await self.store.renew_leases()  # the clients get a whole deadline from now to find this server
-        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            sock.bind((self.host, self.port))
+            sock = listening_socket(self.host, self.port)
         except OSError as error:
-            sock.close()
             raise ConfigError(
                 f"the store cannot listen on {self.host}:{self.port}: {error.strerror or error} "
                 "(choose another store.port, or store.port=0 for a free one)"
             ) from None
-        sock.setblocking(False)
         self.port = sock.getsockname()[1]
         config = uvicorn.Config(
             self.app,
