@@ -94,5 +94,7 @@ def test_a_store_a_job_and_runners_on_ray_each_started_with_a_url_train_the_refe
     assert adapter(job_dir) == adapter(reference)
     assert metrics(job_dir) == metrics(reference)
     assert query(store_dir, "SELECT count(*) FROM rollouts WHERE status != 'succeeded'") == [(0,)]
-    workers = {p for (p,) in query(store_dir, "SELECT DISTINCT s.pid FROM attempts a JOIN sessions s USING (session_id)")}
+    workers = {
+        p for (p,) in query(store_dir, "SELECT DISTINCT s.pid FROM attempts a JOIN sessions s USING (session_id)")
+    }
     assert fourth.pid in workers and set(ray_runners) <= workers, workers
