@@ -49,7 +49,6 @@ from agl.config import (
     client_api_key,
     config_record,
     is_loopback,
-    store_ssl,
     typed,
 )
 from agl.errors import ConfigError, DiskFull
@@ -210,15 +209,7 @@ class Runtime:
         self.store = SqliteStore(self.run_dir / "store.sqlite")
         await self.store.__aenter__()  # opens, reaps a dead previous process's attempts, starts the watchdog
         if self.processes_n and self.runner_config.launcher != "local":
-            self.store_server = StoreServer(
-                self.store,
-                host=settings.host,
-                port=settings.port,
-                api_key=settings.api_key,
-                allow_public=settings.allow_public,
-                session_timeout=settings.session_timeout,
-                ssl=store_ssl(settings),
-            )
+            self.store_server = StoreServer.of(self.store, settings)
             await self.store_server.start()
 
     def join_by(self) -> JoinBy:

@@ -32,10 +32,11 @@ from urllib.parse import urlsplit
 import psutil
 from hosts import Host
 from runs import ROOT, RUN, STEPS, adapter, finish, harness, metrics, query
-from test_attach import SLOW, busy_sessions, stop, wait_for
+from test_attach import busy_sessions, stop, wait_for
 
 STORE_KEY, ROUTE_KEY = "store-sekret", "route-sekret"
 DEADLINE_S = 3  # store.session_timeout: a runner whose heartbeats stop this long is ended
+SLOW = {"AGL_TEST_AGENT_SLEEP": "1"}  # time to kill and cut runner processes while they run rollouts
 
 
 def open_files(pid: int) -> list[str]:
@@ -110,7 +111,7 @@ def test_runners_by_url_on_other_hosts_killed_cut_off_and_restarted_leave_the_ru
         os.kill(killed.pid, signal.SIGKILL)
         # cut the other off past its deadline: the store ends its session; back online, it joins again
         hosts[1].cut()
-        time.sleep(DEADLINE_S + 2)
+        time.sleep(DEADLINE_S + 1.5)
         hosts[1].restore()
         wait_for(lambda: len(sessions_of(store_dir, cut_off.pid)) >= 2, "the cut-off runner to join again")
         # the killed host's runner process started again: a fourth runner process joins mid-run

@@ -23,7 +23,7 @@ import signal
 import threading
 from pathlib import Path
 
-from agl.config import Config, store_ssl
+from agl.config import Config
 from agl.errors import ConfigError
 from agl.store import SqliteStore
 from agl.store.server import StoreServer
@@ -43,15 +43,7 @@ async def serve_store(config: Config, run_dir: Path) -> dict:
             loop.add_signal_handler(sig, stop.set)
             parts.callback(loop.remove_signal_handler, sig)
         store = await parts.enter_async_context(await SqliteStore.open(run_dir / "store.sqlite"))  # + its watchdog
-        server = StoreServer(
-            store,
-            host=settings.host,
-            port=settings.port,
-            api_key=settings.api_key,
-            allow_public=settings.allow_public,
-            session_timeout=settings.session_timeout,
-            ssl=store_ssl(settings),
-        )
+        server = StoreServer.of(store, settings)
         await server.start()
         parts.push_async_callback(server.stop)
         print(f"serving the store {store.path} at {server.url} (store.url={server.url}); stop with Ctrl-C", flush=True)

@@ -52,7 +52,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from agl.config import check_exposure
+from agl.config import check_exposure, store_ssl
 from agl.errors import ConfigError, DiskFull
 from agl.store.api import KEEPALIVE_S, MAX_WAIT_S, SESSION_HEADER, Method, methods
 from agl.store.db import ReadOnlyStoreError
@@ -108,12 +108,49 @@ def listening_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _EmbeddedUvicorn(uvicorn.Server):
+class _UvicornWithoutSignals(uvicorn.Server):
     """uvicorn without its signal handlers: Ctrl-C belongs to the process that serves, not to uvicorn."""
 
     @contextlib.contextmanager
     def capture_signals(self):
         yield
+
+
+class Embedded:
+    """An ASGI app served by uvicorn as a task of the caller's event loop, on a socket of `listening_socket`'s:
+    the store's server and the model route (agl/route/server.py) both run so, in the process that owns what
+    they serve."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._server: _UvicornWithoutSignals | None = None
+        self._task: asyncio.Task | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None
+
+    async def start(self, app: Any, sock: socket.socket, **options: Any) -> None:
+        """Serve ``app`` on ``sock`` (uvicorn's ``options`` beside the defaults); return once it serves."""
+        config = uvicorn.Config(
+            app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5, **options
+        )
+        self._server = _UvicornWithoutSignals(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name=self.name)
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # re-raise why it could not start
+                raise RuntimeError(f"{self.name} stopped during startup")
+            await asyncio.sleep(0.005)
+
+    async def stop(self) -> None:
+        """Stop serving (requests in flight get uvicorn's graceful shutdown); idempotent."""
+        if self._task is None:
+            return
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._task = self._server = None
 
 
 class StoreServer:
@@ -147,8 +184,20 @@ class StoreServer:
         self.session_timeout = float(session_timeout)
         self.ssl = dict(ssl or {})
         self.app = self._build_app()
-        self._server: _EmbeddedUvicorn | None = None
-        self._task: asyncio.Task | None = None
+        self._serving = Embedded("agl-store-server")
+
+    @classmethod
+    def of(cls, store: SqliteStore, settings: Any) -> StoreServer:
+        """The server ``store.*`` (``agl.config.StoreConfig``) describes, of ``store``."""
+        return cls(
+            store,
+            host=settings.host,
+            port=settings.port,
+            api_key=settings.api_key,
+            allow_public=settings.allow_public,
+            session_timeout=settings.session_timeout,
+            ssl=store_ssl(settings),
+        )
 
     @property
     def url(self) -> str:
@@ -157,7 +206,7 @@ class StoreServer:
 
     async def start(self) -> None:
         """Bind (port 0 picks a free port, known right away) and serve as a task on this loop."""
-        if self._task is not None:
+        if self._serving.running:
             return
         await self.store.renew_leases()  # the clients get a whole deadline from now to find this server
         try:
@@ -168,34 +217,14 @@ class StoreServer:
                 "(choose another store.port, or store.port=0 for a free one)"
             ) from None
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            self.app,
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=5,
-            # longer than a client keeps an idle connection (client.KEEPALIVE_S): the client always closes it
-            # first, so a request never races the server closing the connection it was sent on (a ReadError)
-            timeout_keep_alive=KEEPALIVE_S * 3,
-            **self.ssl,
-        )
-        self._server = _EmbeddedUvicorn(config)
-        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="agl-store-server")
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()  # re-raise why it could not start
-                raise RuntimeError("the store server stopped during startup")
-            await asyncio.sleep(0.005)
+        # keep-alive: longer than a client keeps an idle connection (api.KEEPALIVE_S), so the client always
+        # closes it first and a request never races the server closing the connection it was sent on
+        await self._serving.start(self.app, sock, timeout_keep_alive=KEEPALIVE_S * 3, **self.ssl)
 
     async def stop(self) -> None:
         """Stop serving (requests in flight get uvicorn's graceful shutdown). The clients' sessions stay
         open: a server started again on the same file takes them back."""
-        if self._task is None:
-            return
-        self._server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        self._task = self._server = None
+        await self._serving.stop()
 
     async def __aenter__(self) -> StoreServer:
         await self.start()
