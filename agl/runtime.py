@@ -57,7 +57,7 @@ from agl.policy.device import deterministic_kernels
 from agl.policy.engine import Engine
 from agl.policy.load import Policy, load_policy
 from agl.route.server import ModelServer
-from agl.store import SqliteStore, StoreClient, StoreUnreachable
+from agl.store import SessionEnded, SqliteStore, StoreClient, StoreUnreachable
 from agl.store.server import StoreServer
 from agl.types import AttemptStatus, Rollout, RolloutConfig, RolloutStatus
 
@@ -235,8 +235,9 @@ class Runtime:
         if self.processes is not None:
             await self.processes.stop_watching()  # from here on their exits are expected
         if self._published:
-            # a full disk cannot take this write either; the route stops below, which attached runners notice
-            with contextlib.suppress(DiskFull):
+            # a full disk (or a store lost: the job is failing for it) cannot take this write either; the route
+            # stops below, which attached runners notice
+            with contextlib.suppress(DiskFull, StoreUnreachable, SessionEnded):
                 await self.store.set_run_info(RUNNERS_KEY, None)
         if self.runners is not None:
             await self.runners.__aexit__(None, None, None)

@@ -466,7 +466,7 @@ class ExportConfig:
 @dataclasses.dataclass
 class RunnerJobConfig:
     """``algo=runner attach=<run dir>`` or ``algo=runner store.url=<url>`` (agl/agents/attach.py): join a running
-    job; ``runner.*`` sets how many rollouts at once (and ``runner.processes``, ``runner.launcher``: where)."""
+    job; ``runner.n`` sets how many rollouts at once."""
 
     name: str = doc("runner", ALGO_NAME)
     route_url: Optional[str] = doc(

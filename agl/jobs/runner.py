@@ -1,6 +1,5 @@
 """``algo=runner attach=<run dir>`` or ``algo=runner store.url=<url>``: this process joins a running job as a
-runner process (agl.agents.attach); with ``runner.processes`` and a ``runner.launcher``, it starts that many
-runner processes there instead and waits for them (agl.agents.launch)."""
+runner process (agl.agents.attach)."""
 
 from __future__ import annotations
 
