@@ -152,7 +152,8 @@ class _Wire:
             return self.heartbeat_interval
         return min(self.heartbeat_seconds / 4, 1.0)
 
-    def read_timeout(self, method: Method, arguments: dict[str, Any]) -> Optional[float]:
+    def read_timeout(self, method: Method) -> Optional[float]:
+        """A reply's deadline: a wait's is its longest wait and a minute more; None: the default (300 s)."""
         return MAX_WAIT_S + 60.0 if method.name == "wait_for_rollouts" else None
 
 
@@ -328,7 +329,7 @@ class StoreClient:
             "POST",
             f"/v1/store/{method.name}",
             content=body,
-            timeout=_timeout(self._wire.read_timeout(method, arguments)),
+            timeout=_timeout(self._wire.read_timeout(method)),
         )
         try:
             return self._wire.result(method, response)
@@ -433,7 +434,7 @@ class SyncStoreClient:
             "POST",
             f"/v1/store/{method.name}",
             content=method.encode_arguments(arguments),
-            timeout=_timeout(self._wire.read_timeout(method, arguments)),
+            timeout=_timeout(self._wire.read_timeout(method)),
         )
         return self._wire.result(method, response)
 
