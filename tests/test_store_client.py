@@ -224,3 +224,17 @@ async def test_https_with_uvicorns_ssl_options(path: Path, tmp_path: Path, monke
     finally:
         await server.stop()
         await local.close()
+
+
+def test_algo_store_beyond_the_loopback_without_a_key_is_refused_in_one_line(tmp_path: Path):
+    from runs import harness
+
+    proc = harness("algo=store", "store.host=0.0.0.0", f"hydra.run.dir={tmp_path}")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in out, out
+    assert out.strip().splitlines()[-1] == (
+        "error: store.host=0.0.0.0 is not a loopback address and store.api_key is not set, so anyone who can reach "
+        "this machine could read and write the store: set store.api_key=<secret> (clients send it as the Bearer "
+        "token), or store.allow_public=true to serve it without a key"
+    )
+    assert not (tmp_path / "store.sqlite").exists()  # refused before the store was opened
