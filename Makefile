@@ -15,11 +15,13 @@ FW_VENV ?= .venv-frameworks
 FW_BIN  := $(FW_VENV)/bin
 CREW_VENV ?= .venv-crewai
 CREW_BIN  := $(CREW_VENV)/bin
+RAY_VENV ?= .venv-ray
+RAY_BIN  := $(RAY_VENV)/bin
 # frameworks that must be installed (their tests fail, not skip, when missing) in each venv: tests/test_frameworks.py
 FRAMEWORKS_OPENAI3 := langchain langchain-responses pydantic-ai pydantic-ai-responses openai-agents openai-agents-chat
 FRAMEWORKS_OPENAI2 := litellm langchain langchain-responses
 
-.PHONY: setup demo run test test-main test-exact test-frameworks test-crewai lint docs docs-serve config-reference bench clean wheelhouse gpu-bundle
+.PHONY: setup demo run test test-main test-exact test-frameworks test-crewai test-ray lint docs docs-serve config-reference bench clean wheelhouse gpu-bundle
 
 # Python writes the bytecode of what it imports, once, in every command below, also where the environment says
 # PYTHONDONTWRITEBYTECODE=1 (this machine's does): else every process would compile torch's and transformers'
@@ -88,6 +90,11 @@ $(CREW_VENV)/.installed: setup.cfg pyproject.toml Makefile $(TORCH_WHEELS)/.down
 	$(call make_venv,$(CREW_VENV),test$(,)crewai,--without-pip)
 	touch $@
 
+# A fourth venv for Ray (runner.launcher=ray): a heavy extra (Ray's wheel is 70 MB), tested in a lane of its own.
+$(RAY_VENV)/.installed: setup.cfg pyproject.toml Makefile $(TORCH_WHEELS)/.downloaded $(UV_DIR)/.installed
+	$(call make_venv,$(RAY_VENV),test$(,)ray,--without-pip)
+	touch $@
+
 # The suite: three lanes at once (make -j3), each printing its output whole when it ends: the main venv's tests
 # on both cores (pytest-xdist; a session run several tests read is made once, by one worker: tests/conftest.py),
 # and beside them the two framework venvs', one process each. The exactness tests hold on a loaded machine
@@ -107,7 +114,7 @@ test-exact: setup
 # lint-imports (pyproject.toml [tool.importlinter]): the layers, no import cycles, no torch where no model runs
 lint: setup
 	$(BIN)/ruff check .
-	$(BIN)/ruff format --check agl tests bench tasks harness.py
+	$(BIN)/ruff format --check agl tests bench tasks examples harness.py
 	$(BIN)/lint-imports
 
 # The docs site (mkdocs.yml, docs/) into site/: strict, so a broken link or anchor, a page missing from the nav or an
@@ -131,6 +138,11 @@ test-frameworks: $(FW_VENV)/.installed
 	AGL_REQUIRE_FRAMEWORKS="$(FRAMEWORKS_OPENAI2)" $(FW_BIN)/python -m pytest -q \
 	    tests/test_frameworks.py tests/test_server.py tests/test_responses.py \
 	    --deselect "tests/test_frameworks.py::test_embedded_model[langchain]" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+
+# Runner processes launched on a local Ray cluster the test starts (tests/test_ray.py; AGL_LANE=ray collects it: the
+# main lane has no Ray). CI runs it after make test; its time is recorded beside make test's in BENCHMARKS.md.
+test-ray: setup $(RAY_VENV)/.installed
+	AGL_LANE=ray $(RAY_BIN)/python -m pytest -q --durations=10 tests/test_ray.py $(PYTEST_ARGS) || [ $$? -eq 5 ]
 
 # tasks/q20/crewai_agent.py through the route, with CrewAI installed (a missing crewai fails)
 test-crewai: $(CREW_VENV)/.installed
@@ -172,4 +184,4 @@ gpu-bundle:
 	@du -sh .gpu/wheelhouse .gpu/tokenizer
 
 clean:
-	rm -rf $(VENV) $(FW_VENV) $(CREW_VENV) .wheels *.egg-info site
+	rm -rf $(VENV) $(FW_VENV) $(CREW_VENV) $(RAY_VENV) .wheels *.egg-info site

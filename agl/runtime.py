@@ -8,15 +8,24 @@ talk only to the route. Data flows one way: task -> rollout -> spans -> samples 
 
 Runners need not live in this process: once the route serves, the runtime publishes what a
 runner needs to join (``agl.agents.attach``; its own ``runner.n`` runners are made from the same entry),
-starts ``runner.processes`` runner processes, and withdraws the entry first when it stops. With
-``runner.n=0`` only runner processes run the rollouts; with none of either nothing would, which
-is a ConfigError rather than a wait.
+starts ``runner.processes`` runner processes (where ``runner.launcher`` says: agl/agents/launch.py), and
+withdraws the entry first when it stops. With ``runner.n=0`` only runner processes run the rollouts; with
+none of either nothing would, which is a ConfigError rather than a wait.
+
+The store need not live in this process either: with ``store.url`` it is a store served elsewhere
+(``algo=store``), reached through ``agl.StoreClient``, and this process is one of its client sessions. A
+client that loses the store (a request whose outcome is unknown, or its session ended for want of
+heartbeats) fails the job, as a full disk does: nothing it would report could be trusted, and
+``resume=`` continues exactly. Runner processes on other hosts (``runner.launcher=ray|slurm``) join by
+the store's URL: a job without ``store.url`` serves its own store for them (``store.host``,
+``store.port``, ``store.api_key``: agl/store/server.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +33,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from agl.agents.attach import RUNNERS_KEY, runner_entry, runner_pool
+from agl.agents.launch import JoinBy
 from agl.agents.processes import RunnerProcesses
 from agl.agents.runner import RunnerPool
 from agl.agents.tasks import Task, load_task
@@ -34,9 +44,11 @@ from agl.config import (
     ModelConfig,
     RunnerConfig,
     ServerConfig,
+    StoreConfig,
     TaskConfig,
     client_api_key,
     config_record,
+    is_loopback,
     typed,
 )
 from agl.errors import ConfigError, DiskFull
@@ -45,7 +57,8 @@ from agl.policy.device import deterministic_kernels
 from agl.policy.engine import Engine
 from agl.policy.load import Policy, load_policy
 from agl.route.server import ModelServer
-from agl.store import SqliteStore
+from agl.store import SessionEnded, SqliteStore, StoreClient, StoreUnreachable
+from agl.store.server import StoreServer
 from agl.types import AttemptStatus, Rollout, RolloutConfig, RolloutStatus
 
 
@@ -59,6 +72,7 @@ class Runtime:
         runner: RunnerConfig | None = None,
         engine: EngineConfig | None = None,
         server: ServerConfig | None = None,
+        store: StoreConfig | None = None,
         eval_cache: EvalCacheConfig | None = None,
         seed: int = 0,
         device: str = "auto",
@@ -73,6 +87,7 @@ class Runtime:
         self.runner_config = typed(RunnerConfig, runner or RunnerConfig())
         self.engine_config = typed(EngineConfig, engine or EngineConfig())
         self.server_config = typed(ServerConfig, server or ServerConfig())
+        self.store_config = typed(StoreConfig, store or StoreConfig())
         self.eval_cache_config = typed(EvalCacheConfig, eval_cache or EvalCacheConfig())  # agl/eval/cache.py
         self.seed, self.device, self.progress, self.record = seed, device, progress, record
         runner = self.runner_config
@@ -88,7 +103,8 @@ class Runtime:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.task: Task = load_task(self.task_config)
         self._policy = policy
-        self.store: SqliteStore | None = None
+        self.store: SqliteStore | StoreClient | None = None
+        self.store_server: StoreServer | None = None  # this job's store served for runners on other hosts
         self.engine: Engine | None = None
         self.frozen_engine: Engine | None = None  # the base model, for server.frozen_models
         self.server: ModelServer | None = None
@@ -109,6 +125,7 @@ class Runtime:
             runner=config.runner,
             engine=config.engine,
             server=config.server,
+            store=config.store,
             eval_cache=config.eval_cache,
             seed=config.seed,
             device=config.device,
@@ -129,8 +146,7 @@ class Runtime:
 
     async def __aenter__(self) -> Runtime:
         self._job_task = asyncio.current_task()  # what _fail cancels
-        self.store = SqliteStore(self.run_dir / "store.sqlite")
-        await self.store.__aenter__()  # opens, reaps a dead previous process's attempts, starts the watchdog
+        await self._open_store()
         if self._policy is None:
             self._policy = await asyncio.to_thread(load_policy, self.model_config, self.device)
         self._settings.enter_context(long_lived_frozen())  # the collections every few rollouts skip the model
@@ -155,7 +171,7 @@ class Runtime:
         )
         await self.server.start()
         entry = runner_entry(
-            self.server.rollout_base_url("{rollout_id}", "{attempt_id}"),
+            reachable(self.server.rollout_base_url("{rollout_id}", "{attempt_id}"), self.server_config.host),
             self.policy.name,
             client_api_key(self.server_config),
             self.store.session_id,
@@ -167,9 +183,45 @@ class Runtime:
         await self.store.set_run_info(RUNNERS_KEY, entry)
         self._published = True
         if self.processes_n:
-            self.processes = RunnerProcesses(self.processes_n, self.run_dir, self.runner_config.per_process, self._fail)
+            runner = self.runner_config
+            self.processes = RunnerProcesses(
+                self.processes_n,
+                self.join_by(),
+                runner.per_process,
+                self._fail,
+                launcher=runner.launcher,
+                launcher_args=runner.launcher_args,
+                log_dir=self.run_dir,
+            )
             await self.processes.start()
         return self
+
+    async def _open_store(self) -> None:
+        """This job's store: its run dir's ``store.sqlite`` (also served over HTTP when runner processes join
+        by URL only), or, with ``store.url``, a client of a store served elsewhere."""
+        settings = self.store_config
+        if settings.url:
+            self.store = StoreClient(
+                settings.url, settings.api_key, on_broken=lambda why: self._fail(StoreUnreachable(why))
+            )
+            await self.store.open()
+            return
+        self.store = SqliteStore(self.run_dir / "store.sqlite")
+        await self.store.__aenter__()  # opens, reaps a dead previous process's attempts, starts the watchdog
+        if self.processes_n and self.runner_config.launcher != "local":
+            self.store_server = StoreServer.of(self.store, settings)
+            await self.store_server.start()
+
+    def join_by(self) -> JoinBy:
+        """How this job's runner processes join it: its run dir (local processes on its own store.sqlite), or
+        its store's URL (a store served elsewhere, or the one this job serves for other hosts)."""
+        if self.store_config.url:
+            return JoinBy(store_url=self.store_config.url, api_key=self.store_config.api_key)
+        if self.store_server is not None:
+            return JoinBy(
+                store_url=reachable(self.store_server.url, self.store_server.host), api_key=self.store_server.api_key
+            )
+        return JoinBy(run_dir=self.run_dir)
 
     def _fail(self, error: Exception) -> None:
         """Fail the job with ``error``: its task is cancelled, and leaving the runtime raises ``error``."""
@@ -183,8 +235,9 @@ class Runtime:
         if self.processes is not None:
             await self.processes.stop_watching()  # from here on their exits are expected
         if self._published:
-            # a full disk cannot take this write either; the route stops below, which attached runners notice
-            with contextlib.suppress(DiskFull):
+            # a full disk (or a store lost: the job is failing for it) cannot take this write either; the route
+            # stops below, which attached runners notice
+            with contextlib.suppress(DiskFull, StoreUnreachable, SessionEnded):
                 await self.store.set_run_info(RUNNERS_KEY, None)
         if self.runners is not None:
             await self.runners.__aexit__(None, None, None)
@@ -193,6 +246,8 @@ class Runtime:
                 await part.stop()
         if self.processes is not None:
             await self.processes.wait()
+        if self.store_server is not None:
+            await self.store_server.stop()
         if self.store is not None:
             await self.store.close()
         self._settings.close()
@@ -272,6 +327,15 @@ class Runtime:
         if latest is not None and latest.resources == resources:
             return latest.resources_id
         return (await self.store.add_resources(resources)).resources_id
+
+
+def reachable(url: str, host: str) -> str:
+    """``url`` as another host reaches it: a server bound to every address (0.0.0.0, ::) is named by this
+    machine's name instead."""
+    if host in ("0.0.0.0", "::", "") and not is_loopback(host):
+        bound = f"[{host}]" if ":" in host else host
+        return url.replace(f"//{bound}:", f"//{socket.getfqdn()}:", 1)
+    return url
 
 
 def engine_kwargs(engine: Any, compute_dtype: str) -> dict:

@@ -17,7 +17,7 @@ import secrets
 from enum import StrEnum
 from typing import Any, Literal, Optional
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
     "UNSET",
@@ -221,6 +221,8 @@ class Checkpoint(BaseModel):
     `SqliteStore(keep_checkpoints=...)`); `blobs_pruned` tells when that
     happened.
     """
+
+    model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")  # blobs in JSON (a served store)
 
     step: int
     policy_version: int

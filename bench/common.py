@@ -118,6 +118,15 @@ def matmul_probe(dtype: Any, n: int = 2048, rounds: int = 5, warmup: int = 1, de
     return 2 * n**3 / best / 1e9
 
 
+def memory_probe(gib: float = 1.0, rounds: int = 5) -> float:
+    """GB/s reading a ``gib`` GiB float32 tensor (a sum), best of ``rounds``."""
+    import torch
+
+    data = torch.ones(int(gib * 2**30) // 4)
+    best = min(timed(data.sum) for _ in range(rounds))
+    return data.numel() * 4 / best / 1e9
+
+
 def decode_inputs(config: Any, rows: int, cached: int) -> tuple:
     """A decode step's arguments (tokens, positions, mask, cache) for ``rows`` rows that each have
     ``cached`` positions of random float32 keys and values in a slot cache."""

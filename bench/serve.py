@@ -50,7 +50,7 @@ from agl.memory import peak_rss_mib
 from agl.policy.engine import Engine
 from agl.policy.load import load_policy
 from agl.route.server import ModelServer
-from bench.common import RESULTS, gsm8k_prompts, matmul_probe, model_config, record_decode_steps, timed
+from bench.common import RESULTS, gsm8k_prompts, matmul_probe, memory_probe, model_config, record_decode_steps
 
 
 def gsm8k_messages(count: int) -> list[list[dict]]:
@@ -102,13 +102,6 @@ def direct_run(policy, work: list[list[dict]], batch_size: int, new_tokens: int)
         tokens += (out.shape[1] - width) * len(prompts)
     wall = time.perf_counter() - start
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall}
-
-
-def memory_probe(gib: float = 1.0, rounds: int = 5) -> float:
-    """GB/s reading a ``gib`` GiB float32 tensor (a sum), best of ``rounds``."""
-    data = torch.ones(int(gib * 2**30) // 4)
-    best = min(timed(data.sum) for _ in range(rounds))
-    return data.numel() * 4 / best / 1e9
 
 
 def step_costs(engine: Engine) -> dict:

@@ -1,6 +1,8 @@
-"""Benchmark of SqliteStore: is every operation flat in the size of the store?
+"""Benchmark of SqliteStore: is every operation flat in the size of the store? And what does a call through
+the store served over HTTP (agl/store/server.py, agl.StoreClient) cost beside a local one?
 
     .venv/bin/python bench/store.py [--sizes 1000,10000,100000] [--ops 2000]
+    .venv/bin/python bench/store.py --client [--sizes 10000] [--ops 1000] [--in-flight 1,16]
 
 For each size N, in a fresh subprocess (so that peak RSS is per size):
   1. prefill a store file to N rollouts through the public API: N enqueued in
@@ -21,6 +23,13 @@ For each size N, in a fresh subprocess (so that peak RSS is per size):
 Targets (issue 3): >= 2,000 dequeues/s and finishes/s at every size, flat
 within 2x from the smallest to the largest size; >= 5,000 spans/s.
 Results: bench/results/store.md (table) and bench/results/store.json (raw).
+
+`--client` measures the same operations on the same prefilled store twice, side by side, in one run: through
+the local store, then through a `StoreClient` over a real socket to a `StoreServer` in a process of its own
+(as a runner on another host reaches it; here both on this machine, over the loopback), each with 1 call in
+flight (each awaited) and with 16 (16 tasks issuing them, as a runner process's runners do). The probes of
+the machine (bench/common.py: a 2048² float32 matmul and a 1 GiB sum) are taken in the same run. Results:
+bench/results/store_client.md and .json.
 """
 
 from __future__ import annotations
@@ -62,6 +71,129 @@ def llm_span(attempted, tokens: list[int], logprobs: list[float]):
     )
 
 
+async def prefill(store, size: int, tokens: list[int], logprobs: list[float]) -> None:
+    for start in range(0, size, PREFILL_BATCH):
+        n = min(PREFILL_BATCH, size - start)
+        await store.enqueue_rollouts(
+            [{"question": f"q{start + i}"} for i in range(n)],
+            mode="train",
+            metadata=[{"step": (start + i) // 64} for i in range(n)],
+        )
+    for _ in range(int(size * LIFECYCLE_FRACTION)):
+        attempted = await store.dequeue_rollout(worker_id="prefill")
+        await store.add_span(llm_span(attempted, tokens[:20], logprobs[:20]))
+        await store.update_attempt(attempted.rollout_id, attempted.attempt.attempt_id, status="succeeded")
+
+
+async def in_flight(n: int, calls: list) -> None:
+    """Run the zero-argument coroutine functions ``calls``, ``n`` at a time (n tasks taking the next one)."""
+    pending = iter(calls)
+
+    async def worker() -> None:
+        for call in pending:
+            await call()
+
+    await asyncio.gather(*(worker() for _ in range(n)))
+
+
+async def measure(store, ops: int, n_rounds: int, tokens: list[int], logprobs: list[float], flight: int) -> dict:
+    """``n_rounds`` rounds of ``ops`` calls of each operation, ``flight`` in flight: best and median round
+    (wall), and the rate per CPU-second of this process."""
+    rounds: dict[str, list[tuple[float, float]]] = {op: [] for op in OPS}
+
+    def clock() -> tuple[float, float]:
+        return time.perf_counter(), time.process_time()
+
+    def record(op: str, start: tuple[float, float]) -> None:
+        wall, cpu = clock()
+        rounds[op].append((ops / (wall - start[0]), ops / max(cpu - start[1], 1e-9)))
+
+    for round_ in range(n_rounds):
+        start = clock()
+        await in_flight(
+            flight,
+            [
+                lambda i=i: store.enqueue_rollout(
+                    {"question": f"new{round_}-{i}"}, mode="train", metadata={"step": 10**6}
+                )
+                for i in range(ops)
+            ],
+        )
+        record("enqueue", start)
+        attempted_list: list = []
+
+        async def dequeue() -> None:
+            attempted_list.append(await store.dequeue_rollout(worker_id="bench"))
+
+        start = clock()
+        await in_flight(flight, [dequeue] * ops)
+        record("dequeue", start)
+        assert all(a is not None for a in attempted_list)
+        spans = [llm_span(a, tokens, logprobs) for a in attempted_list]  # built outside the timing
+        start = clock()
+        await in_flight(flight, [lambda span=span: store.add_span(span) for span in spans])
+        record("add_span", start)
+        start = clock()
+        await in_flight(
+            flight,
+            [
+                lambda a=a: store.update_attempt(a.rollout_id, a.attempt.attempt_id, status="succeeded")
+                for a in attempted_list
+            ],
+        )
+        record("finish", start)
+    return {
+        "ops_per_second": {op: max(w for w, _ in rs) for op, rs in rounds.items()},
+        "median_ops_per_second": {op: statistics.median(w for w, _ in rs) for op, rs in rounds.items()},
+        "cpu_ops_per_second": {op: statistics.median(c for _, c in rs) for op, rs in rounds.items()},
+        "rounds": rounds,
+    }
+
+
+def serve(path: str) -> None:
+    """``--serve PATH``: the store server of ``--client``, a process of its own: prints its URL, serves until
+    stdin closes."""
+    from agl.store import SqliteStore
+    from agl.store.server import StoreServer
+
+    async def main() -> None:
+        async with SqliteStore(path, watchdog_interval=1.0) as store:
+            async with StoreServer(store, port=0) as server:
+                print(server.url, flush=True)
+                await asyncio.to_thread(sys.stdin.read)
+
+    asyncio.run(main())
+
+
+async def run_client_comparison(size: int, ops: int, n_rounds: int, directory: Path, flights: list[int]) -> dict:
+    """The same store, local then through a client of its server (another process), at each of ``flights``."""
+    from agl.store import SqliteStore, StoreClient
+
+    path = directory / f"store-client-{size}.sqlite"
+    tokens, logprobs = list(range(1000, 1200)), [-0.5] * 200
+    result: dict = {"size": size, "ops": ops, "rounds_run": n_rounds, "local": {}, "client": {}}
+    store = SqliteStore(path, watchdog_interval=None)
+    try:
+        await prefill(store, size, tokens, logprobs)
+        for flight in flights:
+            result["local"][flight] = await measure(store, ops, n_rounds, tokens, logprobs, flight)
+    finally:
+        await store.close()
+    server = subprocess.Popen(
+        [sys.executable, __file__, "--serve", str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        url = server.stdout.readline().strip()
+        async with StoreClient(url) as client:
+            for flight in flights:
+                result["client"][flight] = await measure(client, ops, n_rounds, tokens, logprobs, flight)
+    finally:
+        server.stdin.close()
+        server.wait(timeout=60)
+    result["load_average"] = os.getloadavg()
+    return result
+
+
 async def run_size(size: int, ops: int, n_rounds: int, directory: Path) -> dict:
     from agl.store import SqliteStore
 
@@ -72,59 +204,13 @@ async def run_size(size: int, ops: int, n_rounds: int, directory: Path) -> dict:
     result: dict = {"size": size, "ops": ops, "rounds_run": n_rounds}
     try:
         t0 = time.perf_counter()
-        for start in range(0, size, PREFILL_BATCH):
-            n = min(PREFILL_BATCH, size - start)
-            await store.enqueue_rollouts(
-                [{"question": f"q{start + i}"} for i in range(n)],
-                mode="train",
-                metadata=[{"step": (start + i) // 64} for i in range(n)],
-            )
-        for _ in range(int(size * LIFECYCLE_FRACTION)):
-            attempted = await store.dequeue_rollout(worker_id="prefill")
-            await store.add_span(llm_span(attempted, tokens[:20], logprobs[:20]))
-            await store.update_attempt(attempted.rollout_id, attempted.attempt.attempt_id, status="succeeded")
+        await prefill(store, size, tokens, logprobs)
         result["prefill_seconds"] = time.perf_counter() - t0
-
-        # Several rounds of each op; the machine is shared, so report the best round
-        # (the least disturbed) and the median, and CPU-time rates, which
-        # contention does not distort much (both threads count).
-        rounds: dict[str, list[tuple[float, float]]] = {op: [] for op in OPS}
-
-        def clock() -> tuple[float, float]:
-            return time.perf_counter(), time.process_time()
-
-        def record(op: str, start: tuple[float, float]) -> None:
-            wall, cpu = clock()
-            rounds[op].append((ops / (wall - start[0]), ops / max(cpu - start[1], 1e-9)))
-
-        for round_ in range(n_rounds):
-            start = clock()
-            for i in range(ops):
-                await store.enqueue_rollout({"question": f"new{round_}-{i}"}, mode="train", metadata={"step": 10**6})
-            record("enqueue", start)
-
-            attempted_list = []
-            start = clock()
-            for _ in range(ops):
-                attempted_list.append(await store.dequeue_rollout(worker_id="bench"))
-            record("dequeue", start)
-            assert all(a is not None for a in attempted_list)
-
-            spans = [llm_span(a, tokens, logprobs) for a in attempted_list]  # built outside the timing
-            start = clock()
-            for span in spans:
-                await store.add_span(span)
-            record("add_span", start)
-
-            start = clock()
-            for a in attempted_list:
-                await store.update_attempt(a.rollout_id, a.attempt.attempt_id, status="succeeded")
-            record("finish", start)
-
-        rates = {op: max(w for w, _ in rs) for op, rs in rounds.items()}
-        result["median_ops_per_second"] = {op: statistics.median(w for w, _ in rs) for op, rs in rounds.items()}
-        result["cpu_ops_per_second"] = {op: statistics.median(c for _, c in rs) for op, rs in rounds.items()}
-        result["rounds"] = rounds
+        measured = await measure(store, ops, n_rounds, tokens, logprobs, 1)
+        rates = measured["ops_per_second"]
+        result["median_ops_per_second"] = measured["median_ops_per_second"]
+        result["cpu_ops_per_second"] = measured["cpu_ops_per_second"]
+        result["rounds"] = measured["rounds"]
         result["load_average"] = os.getloadavg()
         result["ops_per_second"] = rates
     finally:
@@ -203,11 +289,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds per size; the best is reported")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     parser.add_argument("--dir", type=Path, default=None, help="where the store files go (default: a temp dir)")
+    parser.add_argument("--client", action="store_true", help="local store vs StoreClient over HTTP, side by side")
+    parser.add_argument("--in-flight", default="1,16", help="--client: calls in flight (each is measured)")
     parser.add_argument("--single", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--serve", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    if args.serve is not None:
+        serve(args.serve)
+        return
     if args.single is not None:
         print(json.dumps(asyncio.run(run_size(args.single, args.ops, args.rounds, args.dir))))
+        return
+    if args.client:
+        client_comparison(args)
         return
 
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -242,6 +337,64 @@ def main() -> None:
         + "\n"
     )
     (args.out / "store.md").write_text(md)
+    print(md)
+
+
+def client_comparison(args: argparse.Namespace) -> None:
+    """``--client``: bench/results/store_client.{md,json}."""
+    import torch
+
+    from bench.common import cpu, matmul_probe, memory_probe
+
+    flights = [int(f) for f in args.in_flight.split(",")]
+    probes = {"gflop_s_fp32": matmul_probe(torch.float32), "gb_s": memory_probe()}
+    with tempfile.TemporaryDirectory(prefix="agl-store-bench-", dir=args.dir) as tmp:
+        results = [
+            asyncio.run(run_client_comparison(int(size), args.ops, args.rounds, Path(tmp), flights))
+            for size in args.sizes.split(",")
+        ]
+    probes = {k: max(v, f()) for (k, v), f in zip(probes.items(), (lambda: matmul_probe(torch.float32), memory_probe))}
+    env = {
+        "cpu": cpu(),
+        "python": platform.python_version(),
+        "sqlite": sqlite3.sqlite_version,
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "probes": probes,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "store_client.json").write_text(json.dumps({"env": env, "results": results}, indent=2) + "\n")
+    lines = [
+        "# The store through its HTTP client, beside the local store",
+        "",
+        f"`{Path(sys.executable).name} bench/store.py --client --sizes {args.sizes} --ops {args.ops} "
+        f"--rounds {args.rounds} --in-flight {args.in_flight}`: {env['cpu']}; probes (best of before and after, "
+        f"same run): float32 matmul {probes['gflop_s_fp32']:,.0f} GFLOP/s, memory {probes['gb_s']:.1f} GB/s; "
+        f"Python {env['python']}, SQLite {env['sqlite']}, {env['date']}.",
+        "",
+        "The same prefilled store (10% of its rollouts through a full life), each operation measured through the",
+        "local store in this process, then through `agl.StoreClient` over a TCP socket (the loopback) to a",
+        "`StoreServer` in a process of its own, with 1 call in flight (each awaited) and with 16 (16 tasks). Best",
+        f"round of {args.rounds}, ops/s (wall clock); the machine is shared (load average beside).",
+        "",
+    ]
+    for r in results:
+        lines += [
+            f"{r['size']:,} rollouts (load average {r['load_average'][0]:.1f}):",
+            "",
+            "| op | "
+            + " | ".join(f"local, {f} in flight | client, {f} in flight | client/local" for f in flights)
+            + " |",
+            "|---|" + "---|---|---|" * len(flights),
+        ]
+        for op in OPS:
+            cells = []
+            for f in flights:
+                local, remote = r["local"][f]["ops_per_second"][op], r["client"][f]["ops_per_second"][op]
+                cells.append(f"{local:,.0f} | {remote:,.0f} | {remote / local:.2f}")
+            lines.append(f"| {op} | " + " | ".join(cells) + " |")
+        lines.append("")
+    md = "\n".join(lines)
+    (args.out / "store_client.md").write_text(md)
     print(md)
 
 

@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 from filelock import FileLock
 from omegaconf import OmegaConf
-from store_helpers import FakeClock
+from store_helpers import FakeClock, client_of
 
 from agl.config import register_configs
 from agl.store import SqliteStore
@@ -22,6 +22,9 @@ from agl.store import SqliteStore
 # session's, never the user's. Tests that need their own set AGL_EVAL_CACHE or eval_cache.dir themselves.
 os.environ["AGL_EVAL_CACHE"] = tempfile.mkdtemp(prefix="agl-test-evals-")
 atexit.register(shutil.rmtree, os.environ["AGL_EVAL_CACHE"], ignore_errors=True)
+
+# tests/test_ray.py is the Ray lane's (make test-ray, in .venv-ray: Ray is an extra the main venv does not carry)
+collect_ignore = [] if os.environ.get("AGL_LANE") == "ray" else ["test_ray.py"]
 
 register_configs()  # conf/ names the typed schemas (agl/config/schema.py): tests compose it with Hydra's compose API
 
@@ -114,7 +117,9 @@ def tiny_model_cfg():
     return OmegaConf.create(TINY_MODEL)
 
 
-# The store tests': a fake clock, a store file in tmp_path, and a store on both.
+# The store tests': a fake clock, a store file in tmp_path, and a store on both: the store's behaviour suite
+# runs on the local store and on a client of it served over HTTP (agl/store/server.py, in this process:
+# tests/store_helpers.client_of), so every test taking `store` runs on both.
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
@@ -125,11 +130,29 @@ def path(tmp_path: Path) -> Path:
     return tmp_path / "run" / "store.sqlite"
 
 
+@pytest.fixture(params=["local", "client"])
+def store_kind(request) -> str:
+    return request.param
+
+
 @pytest_asyncio.fixture
-async def store(path: Path, clock: FakeClock):
+async def local_store(path: Path, clock: FakeClock):
+    """The store itself, for a test of how it reads its file (query plans), not of its API."""
     s = SqliteStore(path, clock=clock, watchdog_interval=None)
     yield s
     await s.close()
+
+
+@pytest_asyncio.fixture
+async def store(path: Path, clock: FakeClock, store_kind: str):
+    local = SqliteStore(path, clock=clock, watchdog_interval=None)
+    if store_kind == "local":
+        yield local
+    else:
+        client = client_of(local)
+        yield client
+        await client.close()
+    await local.close()
 
 
 # A small finished GRPO run (harness.py in a process of its own, forked: tests/prefork.py): a multi-turn agent

@@ -37,18 +37,43 @@ class FakeClock:
 
 
 def pretend_dead(path: Path | str, session_id: str) -> None:
-    """Make a session look like its process died: point it at a pid that cannot exist."""
+    """Make a session look like its process died: point it at a pid that cannot exist (a client's session:
+    its last heartbeat long ago)."""
     conn = sqlite3.connect(path)
     try:
-        conn.execute("UPDATE sessions SET pid = 999999999 WHERE session_id = ?", (session_id,))
+        conn.execute(
+            "UPDATE sessions SET pid = 999999999, heartbeat_time = CASE WHEN heartbeat_seconds IS NULL THEN NULL "
+            "ELSE -1e18 END WHERE session_id = ?",
+            (session_id,),
+        )
         conn.commit()
     finally:
         conn.close()
 
 
+def client_of(store, **kwargs):
+    """A `StoreClient` of `store` served in this process (agl/store/server.py's app through httpx's ASGI
+    transport, no socket): the client side of the behaviour suite, on the suite's file and fake clock. Its
+    session's heartbeat deadline is far, on the fake clock and the real one (a test of the deadline sets its own)."""
+    import httpx
+
+    from agl.store import StoreClient
+    from agl.store.server import StoreServer
+
+    server = StoreServer(store, session_timeout=kwargs.pop("session_timeout", 1e12))
+    kwargs.setdefault("heartbeat_interval", 3600.0)
+    return StoreClient("http://store", transport=httpx.ASGITransport(app=server.app), **kwargs)
+
+
 def abandon(store) -> None:
     """Drop a store the way kill -9 would: its connection and thread go, its session
-    stays open in the file (for the next store to find dead, rule R7)."""
+    stays open in the file (for the next store to find dead, rule R7). A client: it stops
+    heartbeating and never closes its session (for its deadline to end it)."""
+    if hasattr(store, "_wire"):
+        if store._heartbeat is not None:
+            store._heartbeat.cancel()
+        store._wire.closed = True
+        return
     store._closed = True
     store._worker.call(store._close_connection)
     store._worker.shutdown()

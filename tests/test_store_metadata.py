@@ -77,7 +77,8 @@ async def test_metadata_query_matches_pythons_equality_in_creation_order(store: 
 
 
 @asyncio_test
-async def test_the_evaluations_tags_are_index_probes(store: SqliteStore):
+async def test_the_evaluations_tags_are_index_probes(local_store: SqliteStore):
+    store = local_store  # the plan of the local store's own statements (the client's are the server's)
     await store.enqueue_rollouts(list(range(len(METADATA))), metadata=METADATA)
     for key, value in (("eval_step", 3), ("eval", "eval"), ("candidate", "cot")):
         assert f"USING INDEX rollouts_{key}" in plan_of_metadata_query(store, {key: value})

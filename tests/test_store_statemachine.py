@@ -28,7 +28,7 @@ from typing import Optional
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from store_helpers import FakeClock, abandon, check_invariants, derive_rollout_status, pretend_dead
+from store_helpers import FakeClock, abandon, check_invariants, client_of, derive_rollout_status, pretend_dead
 
 from agl.store import SqliteStore
 from agl.types import RolloutConfig, Span
@@ -155,23 +155,34 @@ class Model:
 
 
 class StoreMachine(RuleBasedStateMachine):
+    """The local store; `ClientStoreMachine` below: the same through clients of it served over HTTP."""
+
     def __init__(self) -> None:
         super().__init__()
         self.dir = Path(tempfile.mkdtemp(prefix="agl-store-sm-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
         self.path = self.dir / "store.sqlite"
         self.clock = FakeClock()
         self.loop = asyncio.Runner()
-        self.store = SqliteStore(self.path, clock=self.clock, watchdog_interval=None)
+        self.local = SqliteStore(self.path, clock=self.clock, watchdog_interval=None)
+        self.store = self.connect()
         self.reader = SqliteStore.open_readonly(self.path, clock=self.clock)
-        self.runner: Optional[SqliteStore] = None  # another harness process on the same file
+        self.runner = None  # another harness process on the same file (a client: another host's)
         self.model = Model()
+
+    def connect(self):
+        """A store for a harness process: the one process's, or another one on the file."""
+        return (
+            self.local
+            if not hasattr(self, "store")
+            else SqliteStore(self.path, clock=self.clock, watchdog_interval=None)
+        )
 
     def run(self, coro):
         return self.loop.run(coro)
 
     def teardown(self) -> None:
         try:
-            for store in (self.runner, self.reader, self.store):
+            for store in (self.runner, self.reader, self.store, self.local):
                 if store is not None:
                     self.run(store.close())
         finally:
@@ -228,7 +239,7 @@ class StoreMachine(RuleBasedStateMachine):
     @rule(start=st.booleans(), config=st.integers(0, len(CONFIGS) - 1))
     def runner_takes_work(self, start: bool, config: int) -> None:
         if self.runner is None:
-            self.runner = SqliteStore(self.path, clock=self.clock, watchdog_interval=None)
+            self.runner = self.connect()
         self._start_rollout(self.runner, config) if start else self._dequeue(self.runner)
 
     @precondition(lambda self: self.runner is not None)
@@ -247,7 +258,7 @@ class StoreMachine(RuleBasedStateMachine):
         expected = self.model.end_session(runner.session_id)
         if dead:
             abandon(runner)  # as kill -9 leaves it: the session stays open in the file
-            pretend_dead(self.path, runner.session_id)
+            pretend_dead(self.path, runner.session_id)  # its process is gone, or its heartbeats stopped
             changed = self.run(self.store.reap_dead_sessions())
             assert [(a.attempt_id, a.status) for a in changed] == list(expected.items())
             assert all(a.metadata["harness_ended"] == "dead" for a in changed)
@@ -350,10 +361,24 @@ class StoreMachine(RuleBasedStateMachine):
             assert check_invariants(self.path, explicit_updates=True) == []
 
 
-StoreMachine.TestCase.settings = settings(
+class ClientStoreMachine(StoreMachine):
+    """The same rules through `StoreClient`s of the store served over HTTP (in this process, on the same fake
+    clock): the writer and the runner are two clients, each a session of its own; a runner that dies stops
+    heartbeating (its deadline passes), one that closes ends its session."""
+
+    def connect(self):
+        client = client_of(self.local)
+        self.run(client.open())
+        return client
+
+
+SETTINGS = settings(
     max_examples=120 if os.environ.get("AGL_LONG") == "1" else 20,  # see the module docstring
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
+StoreMachine.TestCase.settings = SETTINGS
+ClientStoreMachine.TestCase.settings = SETTINGS
 TestStoreStateMachine = StoreMachine.TestCase
+TestClientStoreStateMachine = ClientStoreMachine.TestCase

@@ -39,6 +39,7 @@ from typing import Any
 from agl.agents.api import LLM, RolloutContext, call_agent
 from agl.config import NO_API_KEY
 from agl.errors import DiskFull
+from agl.store import SessionEnded, StoreUnreachable
 from agl.types import AttemptedRollout, AttemptStatus, Span
 
 log = logging.getLogger(__name__)
@@ -95,12 +96,13 @@ class Runner:
         self._resources_cache: dict[str, dict] = {}
 
     async def run_forever(self) -> None:
-        """Run rollouts until cancelled; a full disk ends this runner (the job stops on the same error)."""
+        """Run rollouts until cancelled; a full disk ends this runner (the job stops on the same error), and so
+        does a store joined by URL that is lost to it (its runner process joins again: agl.agents.attach)."""
         try:
             while True:
                 if not await self.run_one():
                     await asyncio.sleep(self.poll_interval)
-        except DiskFull:
+        except (DiskFull, StoreUnreachable, SessionEnded):
             return
 
     async def run_one(self) -> bool:
@@ -173,7 +175,8 @@ class Runner:
         return self._resources_cache[resources_id]
 
     async def _heartbeat(self, rollout: AttemptedRollout) -> None:
-        with contextlib.suppress(asyncio.CancelledError):
+        # a lost store ends the attempt's report too (run_forever); the heartbeats just stop
+        with contextlib.suppress(asyncio.CancelledError, StoreUnreachable, SessionEnded):
             while True:
                 await asyncio.sleep(self.heartbeat_interval)
                 await self.store.update_attempt(

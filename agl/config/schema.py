@@ -69,6 +69,16 @@ class RunnerConfig:
     collect_every: int = doc(
         32, "finished rollouts between full garbage collections + malloc_trim (agl.memory.collect); 0: never"
     )
+    launcher: str = doc(
+        "local",
+        "where runner.processes start: local (subprocesses) | ray (actors on a Ray cluster; the ray extra) | "
+        "slurm | submitit_local (submitit's executors); all but local join by the store's URL (agl/agents/launch.py)",
+    )
+    launcher_args: dict[str, Any] = doc(
+        {},
+        "ray: address (null: RAY_ADDRESS, else a local cluster) and the actors' options (num_cpus, resources, "
+        "runtime_env); slurm: submitit's parameters (slurm_partition, timeout_min, ...); local: none",
+    )
 
 
 @dataclasses.dataclass
@@ -123,6 +133,37 @@ class EvalCacheConfig:
     )
 
 
+@dataclasses.dataclass
+class StoreConfig:
+    """``store.*``: the run's store served over HTTP (agl/store/server.py), or a store a job joins by URL."""
+
+    url: Optional[str] = doc(
+        None,
+        "a store served elsewhere (algo=store), e.g. http://host:4747: the job, runner or server uses it instead "
+        "of its run dir's store.sqlite",
+    )
+    host: str = doc(
+        "127.0.0.1", "where algo=store listens (a job serving its own store too); non-loopback needs api_key"
+    )
+    port: int = doc(4747, "where algo=store listens; 0: a free port")
+    api_key: Optional[str] = doc(
+        None, 'a server requires "Authorization: Bearer <key>" of every request; a client sends it'
+    )
+    allow_public: bool = doc(False, "serve a non-loopback host without api_key (anyone who reaches it may write)")
+    session_timeout: float = doc(
+        30.0,
+        "seconds without a heartbeat after which a client's session (a runner or job joined by URL) is ended: its "
+        "attempts go back to the queue uncharged (agl/store/sessions.py)",
+    )
+    ssl_certfile: Optional[str] = doc(None, "serve HTTPS with this certificate (PEM; uvicorn's ssl_certfile)")
+    ssl_keyfile: Optional[str] = doc(None, "... and this private key (PEM); clients trust the certificate's CA")
+
+
+def store_ssl(store: Any) -> dict[str, str]:
+    """``store.ssl_*`` as uvicorn's ssl options (empty: plain HTTP)."""
+    return {k: v for k, v in (("ssl_certfile", store.ssl_certfile), ("ssl_keyfile", store.ssl_keyfile)) if v}
+
+
 def is_loopback(host: str) -> bool:
     """Whether ``host`` names this machine's loopback interface only (127.0.0.0/8, ::1, or a name resolving to
     nothing else). An empty host, a wildcard (0.0.0.0, ::) or a name that does not resolve is not."""
@@ -137,16 +178,25 @@ def is_loopback(host: str) -> bool:
     return bool(resolved) and all(ipaddress.ip_address(address).is_loopback for address in resolved)
 
 
-def check_server_exposure(server: Any) -> None:
-    """Refuse a route on a non-loopback address without a key: it would serve (and, in training, record
-    the traffic of) anyone who can reach the machine. ``server.api_key`` or ``server.allow_public=true`` opts in."""
-    if server.api_key or server.allow_public or is_loopback(server.host):
+SERVED = {"server": "call the route", "store": "read and write the store"}
+
+
+def check_exposure(section: str, host: str, api_key: Optional[str], allow_public: bool) -> None:
+    """Refuse to serve ``section`` (``server``: the route; ``store``: the store) on a non-loopback address
+    without a key: it would serve (and, for the route in training, record the traffic of) anyone who can reach
+    the machine. ``<section>.api_key`` or ``<section>.allow_public=true`` opts in."""
+    if api_key or allow_public or is_loopback(host):
         return
     raise ConfigError(
-        f"server.host={server.host} is not a loopback address and server.api_key is not set, so anyone who can "
-        "reach this machine could call the route: set server.api_key=<secret> (clients send it as the Bearer "
-        "token), or server.allow_public=true to serve it without a key"
+        f"{section}.host={host} is not a loopback address and {section}.api_key is not set, so anyone who can "
+        f"reach this machine could {SERVED[section]}: set {section}.api_key=<secret> (clients send it as the "
+        f"Bearer token), or {section}.allow_public=true to serve it without a key"
     )
+
+
+def check_server_exposure(server: Any) -> None:
+    """``check_exposure`` of the route (``server.*``)."""
+    check_exposure("server", server.host, server.api_key, server.allow_public)
 
 
 def client_api_key(server: Any) -> str:
@@ -172,6 +222,7 @@ class Config:
     runner: RunnerConfig = doc(RunnerConfig(), "runner.*: the asyncio workers that run the agent")
     engine: EngineConfig = doc(EngineConfig(), "engine.*: the batched sampler")
     server: ServerConfig = doc(ServerConfig(), "server.*: the OpenAI-compatible route agents call")
+    store: StoreConfig = doc(StoreConfig(), "store.*: the store served over HTTP (algo=store), or joined by URL")
     eval_cache: EvalCacheConfig = doc(EvalCacheConfig(), "eval_cache.*: greedy evals' scores kept across runs")
 
 
@@ -436,10 +487,22 @@ class ExportConfig:
 
 @algorithm
 class RunnerJobConfig:
-    """``algo=runner attach=<run dir>`` (agl/agents/attach.py): join a running job; ``runner.*`` sets how many
-    rollouts at once."""
+    """``algo=runner attach=<run dir>`` or ``algo=runner store.url=<url>`` (agl/agents/attach.py): join a running
+    job; ``runner.n`` sets how many rollouts at once."""
 
     name: str = doc("runner", ALGO_NAME)
+    route_url: Optional[str] = doc(
+        None,
+        "store.url: the job's route as this host reaches it (http://host:port); null: the URL the job published",
+    )
+
+
+@algorithm
+class StoreJobConfig:
+    """``algo=store`` (agl/jobs/store.py): the run dir's store served over HTTP on ``store.host:store.port``
+    until Ctrl-C, for jobs, runners and algorithms that join by ``store.url``."""
+
+    name: str = doc("store", ALGO_NAME)
 
 
 @algorithm
@@ -459,7 +522,16 @@ SCHEMAS: dict[tuple[str | None, str], type] = {
 
 SCHEMA_NAMES = {
     cls.__name__
-    for cls in (*SCHEMAS.values(), RunnerConfig, EngineConfig, ServerConfig, EvalCacheConfig, LoraConfig, TinyConfig)
+    for cls in (
+        *SCHEMAS.values(),
+        RunnerConfig,
+        EngineConfig,
+        ServerConfig,
+        StoreConfig,
+        EvalCacheConfig,
+        LoraConfig,
+        TinyConfig,
+    )
 }
 
 

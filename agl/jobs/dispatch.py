@@ -26,7 +26,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from agl.config import ALGO_SCHEMAS, Config, check_server_exposure, config_record, to_typed, with_schema
+from agl.config import ALGO_SCHEMAS, Config, check_exposure, check_server_exposure, config_record, to_typed, with_schema
 from agl.config.renamed import rename_saved
 from agl.errors import ConfigError, DiskFull, disk_full_in
 from agl.jobs.launchers import apply_threads
@@ -39,10 +39,22 @@ from agl.seeding import seed_everything
 log = logging.getLogger(__name__)
 
 
+NO_MODEL = ("runner", "store")  # jobs that load no model (and no torch): a runner process, a store server
+
+
 def job_function(name: str) -> Callable[[Config, Path], object]:
     """The ``run(config, run_dir)`` of ``agl.jobs.<name>``: every algorithm with a schema (``ALGO_SCHEMAS``) has
     its job module of the same name. Imported when the job runs: report= and a launcher's checks load no torch."""
     return importlib.import_module(f"agl.jobs.{name}").run
+
+
+def serves_store(name: str, config: Config) -> bool:
+    """Whether the job serves its store over HTTP: ``algo=store``, or a job whose runner processes start
+    where they reach it by URL only (``runner.launcher`` other than local) and that has no ``store.url``."""
+    if name == "store":
+        return True
+    runner = config.runner
+    return name not in NO_MODEL and not config.store.url and runner.processes > 0 and runner.launcher != "local"
 
 
 def resumed_config(cfg: DictConfig) -> DictConfig:
@@ -103,20 +115,29 @@ def run_job(cfg: DictConfig) -> object:
     if cfg.get("attach") and name != "runner":
         raise ConfigError(f"attach= joins a running job as a runner process: use it with algo=runner, not algo={name}")
     threads = apply_threads(
-        cfg, HydraConfig.get() if multirun else None, loads_torch=name != "runner"
+        cfg, HydraConfig.get() if multirun else None, loads_torch=name not in NO_MODEL
     )  # jobs x threads <= cores (agl/jobs/launchers.py)
     config = to_typed(cfg)  # the one conversion: below here, every part takes its typed section
-    if name != "runner":  # a device this machine lacks is refused before the job's modules and model load
+    if name not in NO_MODEL:  # a device this machine lacks is refused before the job's modules and model load
         from agl.policy.device import resolve_device  # torch: not in a runner process, nor for report=
 
         resolve_device(config.device)
-    if name not in ("info", "runner", "export"):  # the jobs that serve the route: refused before the model loads
+    if name not in ("info", "runner", "export", "store"):  # the jobs that serve the route: refused before loading
         check_server_exposure(config.server)
+    if serves_store(name, config):
+        store = config.store
+        check_exposure("store", store.host, store.api_key, store.allow_public)
     if name in (
         "info",
         "runner",
     ):  # a smoke test; a process working in another job's run: nothing of their own to record or resume
         return job_function(name)(config, run_dir)
+    if name == "store":  # one server per store file; it has no result to record, and serves again when asked
+        try:
+            with holding_run_dir(run_dir):
+                return job_function(name)(config, run_dir)
+        except RunDirBusy as busy:
+            raise ConfigError(f"{busy}; its store is served (or trained) by that process") from None
 
     try:
         with holding_run_dir(run_dir):

@@ -17,15 +17,23 @@ from agl.report.run_report import learning_table, report_run
 
 def job_ending(run_dir: Path, config: Config, adapter: str) -> str:
     """The lines a GRPO or SFT job prints at its end (and writes report.md for)."""
-    # status.json says so once the job has returned; the trainer drew curves.png as it returned
-    report_run(run_dir, echo=False, status="succeeded", draw=False)
+    # status.json says so once the job has returned; the trainer drew curves.png as it returned. A store served
+    # elsewhere (store.url) is read where its file is: report= runs there, on the store server's run dir.
+    remote = config.store.url
+    if not remote:
+        report_run(run_dir, echo=False, status="succeeded", draw=False)
     table = learning_table(read_metrics(metrics_path(run_dir)))
     algo = config.algo.name
     more = "algo.warmup.steps=0 algo.steps=<n>" if algo == "grpo" else "algo.steps=<n>"
+    report = (
+        f"python harness.py report=<its run dir> where the store at {remote} keeps its file"
+        if remote
+        else run_dir / "report.md"
+    )
     lines = [
         table or "(no learning table: the job ran no baseline and final eval of the same tasks)",
         "",
-        f"report:  {run_dir / 'report.md'}",
+        f"report:  {report}",
         f"curves:  {run_dir / 'curves.png'}",
         f"run dir: {run_dir}",
         f"adapter: {adapter}",

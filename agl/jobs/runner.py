@@ -1,4 +1,5 @@
-"""``algo=runner attach=<run dir>``: this process joins a running job as a runner process (agl.agents.attach)."""
+"""``algo=runner attach=<run dir>`` or ``algo=runner store.url=<url>``: this process joins a running job as a
+runner process (agl.agents.attach)."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import asyncio
 from pathlib import Path
 
 from agl.agents.attach import attach
-from agl.config import Config
+from agl.config import Config, RunnerJobConfig, typed
 
 
 def run(config: Config, run_dir: Path) -> dict:
-    return asyncio.run(attach(config.attach, config.runner))
+    algo = typed(RunnerJobConfig, config.algo)
+    return asyncio.run(attach(config.attach, config.runner, config.store, route_url=algo.route_url))

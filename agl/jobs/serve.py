@@ -12,8 +12,13 @@ training calls are: a rollout per call (``metadata.served``), one ``llm.*`` span
 the exact prompt and sampled token ids, log-probs and the request. ``report=<run dir>`` counts
 them; ``SqliteStore.open_readonly`` reads them, also while the server runs.
 
-Left out: rollout routes for agents (no runners run here, so nothing would finish their
-attempts: use ``algo=eval``) and hot-swapping adapters (one policy per process, as in training).
+Rollouts of agents: once it serves, the job publishes its route in its store for runner processes
+(``agl.agents.attach``), as a training job does, so the rollouts an algorithm of your own enqueues
+(``agl.StoreClient``, examples/first_algorithm.py) are run by runners joined by ``attach=<run dir>``,
+or by ``store.url`` when the store is served elsewhere (``store.url=...`` here too: the calls are then
+recorded in that store). It runs no runners itself, and withdraws the entry when it stops.
+
+Left out: hot-swapping adapters (one policy per process, as in training).
 """
 
 from __future__ import annotations
@@ -24,14 +29,15 @@ import signal
 import threading
 from pathlib import Path
 
-from agl.config import Config, ServeConfig, typed
+from agl.agents.attach import RUNNERS_KEY, runner_entry
+from agl.config import Config, ServeConfig, client_api_key, typed
 from agl.errors import ConfigError
 from agl.policy.engine import Engine
 from agl.policy.load import load_policy
 from agl.policy.lora import find_adapter_dir
 from agl.route.server import ModelServer
-from agl.runtime import engine_kwargs
-from agl.store import SqliteStore
+from agl.runtime import engine_kwargs, reachable
+from agl.store import SqliteStore, StoreClient
 
 
 async def run_serve(config: Config, run_dir: Path) -> dict:
@@ -46,11 +52,12 @@ async def run_serve(config: Config, run_dir: Path) -> dict:
         for sig in (signal.SIGINT, signal.SIGTERM) if threading.current_thread() is threading.main_thread() else ():
             loop.add_signal_handler(sig, stop.set)
             parts.callback(loop.remove_signal_handler, sig)
-        store = (
-            await parts.enter_async_context(SqliteStore(run_dir / "store.sqlite"))
-            if typed(ServeConfig, config.algo).record
-            else None
-        )
+        if config.store.url:  # a store served elsewhere (algo=store): calls and rollouts are recorded there
+            store = await parts.enter_async_context(StoreClient(config.store.url, config.store.api_key))
+        elif typed(ServeConfig, config.algo).record:
+            store = await parts.enter_async_context(SqliteStore(run_dir / "store.sqlite"))
+        else:
+            store = None
         policy = await asyncio.to_thread(load_policy, model, config.device)
         engine = Engine(policy, **engine_kwargs(config.engine, model.compute_dtype))
         await engine.start()
@@ -64,13 +71,21 @@ async def run_serve(config: Config, run_dir: Path) -> dict:
                 "(choose another server.port, or server.port=0 for a free one)"
             ) from None
         parts.push_async_callback(server.stop)
+        if store is not None:  # runners may join and run the rollouts an algorithm enqueues; withdrawn first at the end
+            rollout_url = reachable(server.rollout_base_url("{rollout_id}", "{attempt_id}"), server_config.host)
+            entry = runner_entry(
+                rollout_url, policy.name, client_api_key(server_config), store.session_id, config.task, {}
+            )
+            await store.set_run_info(RUNNERS_KEY, entry)
+            parts.push_async_callback(store.set_run_info, RUNNERS_KEY, None)
         recording = (
             f"recording calls in {store.path}" if store is not None else "not recording calls (algo.record=false)"
         )
         print(f"serving {server.base_url} (model {policy.name!r}); {recording}; stop with Ctrl-C", flush=True)
         await stop.wait()
         await server.stop()  # no call is recorded after this: the count below is final
-        calls = len(await store.query_rollouts()) if store is not None else 0
+        served = await store.query_rollouts() if store is not None else []
+        calls = sum(1 for r in served if "served" in (r.metadata or {}))
     if store is not None:
         print(f"stopped; {calls} calls recorded (summary: python harness.py report={run_dir})")
     return {"base_url": server.base_url, "model": policy.name, "recorded_calls": calls}

@@ -45,7 +45,7 @@ from agl.route.requests import (
 from agl.route.streaming import scope_key
 from agl.route.tool_calls import ToolCallParser
 from agl.seeding import CallCounter, call_seed
-from agl.store import charged_attempt_number
+from agl.store import charged_attempt_number, is_harness_ended
 
 if TYPE_CHECKING:
     from agl.policy.engine import Engine
@@ -155,6 +155,12 @@ class ChatPath:
             raise conflict(
                 f"Attempt '{attempt_id}' of rollout '{rollout_id}' already finished ({attempt.status}).",
                 code="attempt_finished",
+            )
+        if is_harness_ended(attempt):  # its runner's session ended (R7): a late call must not revive it (R3)
+            raise conflict(
+                f"Attempt '{attempt_id}' of rollout '{rollout_id}' was handed back to the queue when its runner's "
+                "store session ended.",
+                code="attempt_handed_back",
             )
         call_number = self.call_numbers.next(scope)
         if seed is None:

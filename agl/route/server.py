@@ -76,12 +76,10 @@ import contextlib
 import functools
 import logging
 import secrets
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -99,16 +97,9 @@ from agl.route.requests import APIError, ChatCompletionRequest, CompletionReques
 from agl.route.response_models import Answer, ModelCard, ModelList
 from agl.route.responses_endpoint import ResponsesEndpoint
 from agl.route.streaming import ClientGone, interleaved, sse_line, unless_disconnected
+from agl.store.server import Embedded, listening_socket
 
 log = logging.getLogger(__name__)
-
-
-class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn without its signal handlers: Ctrl-C belongs to the harness, not to the route."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        yield
 
 
 class ModelServer:
@@ -166,8 +157,7 @@ class ModelServer:
         )
         self.responses = ResponsesEndpoint(self.chat, config.stored_responses)  # /v1/responses
         self.app = self._build_app()
-        self._server: _EmbeddedUvicorn | None = None
-        self._task: asyncio.Task | None = None
+        self._serving = Embedded("agl-model-server")
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -185,35 +175,20 @@ class ModelServer:
 
     async def start(self) -> None:
         """Bind (port 0 picks a free port, known right away) and serve as a task on this loop."""
-        if self._task is not None:
+        if self._serving.running:
             return
-        sock = socket.socket(socket.AF_INET6 if ":" in self.host else socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((self.host, self.port))
-        sock.setblocking(False)
+        sock = listening_socket(self.host, self.port)  # TCP_NODELAY on its connections: no 40 ms a reply
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(
-            self.app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5
-        )
-        self._server = _EmbeddedUvicorn(config)
-        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="agl-model-server")
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()  # re-raise why it could not start
-                raise RuntimeError("the model server stopped during startup")
-            await asyncio.sleep(0.005)
+        await self._serving.start(self.app, sock)
 
     async def stop(self) -> None:
         """Stop serving, for good: the server lets go of its engines, policy and store. FastAPI keeps every endpoint
         it has seen, bound methods of this server included, in module-level caches (``fastapi.dependencies.models``,
         4,096 entries each), so a stopped server lives on: without this, each job of a sweep run in one process kept
         the previous jobs' models and samplers (peak RSS +480 MiB a job on the default GSM8K job, BENCHMARKS.md)."""
-        if self._task is None:
+        if not self._serving.running:
             return
-        self._server.should_exit = True
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-        self._task = self._server = None
+        await self._serving.stop()
         self.engine = self.policy = None
         self.chat.release()
 

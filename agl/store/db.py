@@ -25,6 +25,8 @@ Rows come back as `sqlite3.Row`: read by column name, never by position.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import re
 import sqlite3
 import threading
@@ -35,6 +37,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, Optional, TypeVar
 
+import agl.store.sessions as sessions
 import agl.store.txn as txn
 from agl.errors import ConfigError, DiskFull
 from agl.store.overdue import NOTHING_OVERDUE, OverdueView
@@ -49,6 +52,10 @@ SCHEMA_VERSION = 2
 # holds no harness-ended notes, which only version-2 code writes).
 UPGRADABLE_VERSIONS = (0, 1)
 READABLE_VERSIONS = (1, SCHEMA_VERSION)
+# Nullable columns added since version 2 that older code never reads (it names the columns it reads): a
+# writable open adds what a file lacks, as it does indexes, and a file with them is still version 2. Code
+# that reads them runs on writable stores only.
+ADDED_COLUMNS = (("sessions", "heartbeat_seconds", "REAL"), ("sessions", "heartbeat_time", "REAL"))
 Synchronous = Literal["NORMAL", "FULL"]
 T = TypeVar("T")
 
@@ -151,16 +158,48 @@ def install_schema(conn: sqlite3.Connection) -> None:
     version = conn.execute("PRAGMA user_version").fetchone()[0]
     schema = schema_sql()
     if version == SCHEMA_VERSION:
-        if not missing_indexes(conn, schema):
+        if not missing_indexes(conn, schema) and not missing_columns(conn):
             return
-        conn.executescript("BEGIN IMMEDIATE;\n" + schema + "\nCOMMIT;")  # IF NOT EXISTS: only the missing
+        with write_transaction(conn):  # IF NOT EXISTS: only the missing; a racing process may have added them
+            add_missing_columns(conn)
+            for statement in _statements(schema):
+                conn.execute(statement)
         return
     if version not in UPGRADABLE_VERSIONS:
         raise RuntimeError(f"store schema version {version} is not supported (expected {SCHEMA_VERSION})")
     drop_views = "".join(
         f"DROP VIEW IF EXISTS {name};\n" for name in re.findall(r"CREATE VIEW IF NOT EXISTS (\w+)", schema)
     )
-    conn.executescript("BEGIN IMMEDIATE;\n" + drop_views + schema + f"\nPRAGMA user_version={SCHEMA_VERSION};\nCOMMIT;")
+    with write_transaction(conn):
+        add_missing_columns(conn)  # before the schema: its indexes and views may name them
+        for statement in _statements(drop_views + schema + f"\nPRAGMA user_version={SCHEMA_VERSION};"):
+            conn.execute(statement)
+
+
+def _statements(script: str) -> list[str]:
+    """A script's statements, one by one (``executescript`` would commit the transaction around them)."""
+    statements, pending = [], ""
+    for line in script.splitlines(keepends=True):
+        pending += line
+        if sqlite3.complete_statement(pending):
+            statements.append(pending)
+            pending = ""
+    return statements
+
+
+def missing_columns(conn: sqlite3.Connection) -> list[tuple[str, str, str]]:
+    """The ``ADDED_COLUMNS`` the file's tables lack (none of a table the file does not have yet)."""
+    missing = []
+    for table, column, decl in ADDED_COLUMNS:
+        have = {row[1] for row in conn.execute(f"PRAGMA table_info({table})")}
+        if have and column not in have:
+            missing.append((table, column, decl))
+    return missing
+
+
+def add_missing_columns(conn: sqlite3.Connection) -> None:
+    for table, column, decl in missing_columns(conn):
+        conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {decl}")
 
 
 def missing_indexes(conn: sqlite3.Connection, schema: str) -> list[str]:
@@ -217,8 +256,10 @@ class Worker:
         return self._executor.submit(self._tracked, fn, *args).result()
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn` on the worker thread without blocking the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+        """Run `fn` on the worker thread without blocking the event loop, in the caller's context (the
+        session a store server acts for is a context variable: `acting_session`)."""
+        call = functools.partial(contextvars.copy_context().run, fn, *args)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, call)
 
     def _tracked(self, fn: Callable[..., T], *args: Any) -> T:
         self._thread_ident = threading.get_ident()
@@ -266,6 +307,11 @@ def update(
 
 
 # -- the store's access to its file --------------------------------------------
+
+
+acting_session: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("agl_store_session", default=None)
+"""The store session a write is made for, when it is not the store's own: a store server sets it per request
+to its client's session (agl/store/server.py), so the attempts a client creates are its own (R7)."""
 
 
 class ReadOnlyStoreError(RuntimeError):
@@ -360,8 +406,19 @@ class Db:
             return await self.worker.run(fn, *args)
 
     def write_sync(self, fn: Callable[..., T], *args: Any) -> T:
-        tx = txn.Tx(self.conn, self.clock(), self.session_id)
+        """`fn(tx, *args)` in one write transaction, for the acting session (`acting_session`, else the
+        store's own); a client's write is refused, whole, once its session has ended (`SessionEnded`)."""
+        return self._write_sync(acting_session.get(), fn, *args)
+
+    def maintain_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        """A write of the store's own upkeep (deadlines, ended sessions), whoever's request it runs in."""
+        return self._write_sync(None, fn, *args)
+
+    def _write_sync(self, acting: Optional[str], fn: Callable[..., T], *args: Any) -> T:
+        tx = txn.Tx(self.conn, self.clock(), acting or self.session_id)
         with write_transaction(self.conn):
+            if acting is not None:
+                sessions.require_open(self.conn, acting)
             result = fn(tx, *args)
         if tx.finished:
             self.on_commit(tx.finished)
@@ -398,7 +455,7 @@ class Db:
         """R6 now: one probe of the deadline index when nothing is due."""
         if not txn.has_due_deadline(self.conn, self.clock()):
             return []
-        return self.write_sync(txn.expire_due_attempts)
+        return self.maintain_sync(txn.expire_due_attempts)
 
     def overdue_view(self, conn: sqlite3.Connection, rollout_ids: Optional[Iterable[str]] = None) -> OverdueView:
         """How reads must show overdue attempts (and the rollouts `rollout_ids`, None: all):

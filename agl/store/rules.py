@@ -68,9 +68,11 @@ R6  Deadlines. An active attempt has two deadlines, copied from its rollout's
     past their deadline at its clock, and leaves the file as it is (overdue.py).
 
 R7  Ended sessions. An attempt is owned by the store session (one open writable
-    `SqliteStore`, i.e. one process: the harness) that created it. When that
-    session ends, by `close()` or because its process died (noticed when a store
-    opens the file, and periodically by the watchdog), its active attempts become
+    `SqliteStore`, i.e. one process: the harness; or one client of a store served
+    over HTTP, on any host) that created it. When that session ends, by `close()`,
+    because its process died (noticed when a store opens the file, and periodically
+    by the watchdog) or, a client's, because its heartbeats stopped for its deadline
+    (the watchdog, every pass; agl/store/sessions.py), its active attempts become
     `unresponsive`, in creation order, with the harness-ended note merged into
     their metadata: `{"harness_ended": "closed" | "dead", "error": "<why>"}`.
     Such an attempt is not charged (R4): the agent did not fail, so its rollout

@@ -16,11 +16,14 @@
 --   * Every query the store runs on the hot path is an index probe, so the cost
 --     of an operation does not grow with the number of rollouts.
 
--- One row per writable SqliteStore that opened the file (one per process).
+-- One row per writable SqliteStore that opened the file (one per process), and one
+-- per client of a store served over HTTP (agl/store/server.py; a runner or a job
+-- on any host), whose liveness is its heartbeats, not its pid.
 -- Attempts record the session that created them; when a session ends (close, or
--- its process is found dead) its active attempts become 'unresponsive' with the
--- note {"harness_ended": close_reason, "error": ...} in their metadata, and their
--- rollouts go back to the queue without using up a retry (rule R7).
+-- its process is found dead, or its heartbeats stopped) its active attempts become
+-- 'unresponsive' with the note {"harness_ended": close_reason, "error": ...} in
+-- their metadata, and their rollouts go back to the queue without using up a retry
+-- (rule R7).
 CREATE TABLE IF NOT EXISTS sessions (
     session_id          TEXT PRIMARY KEY,  -- 'se-000001', ... in the order opened
     pid                 INTEGER NOT NULL,
@@ -28,7 +31,11 @@ CREATE TABLE IF NOT EXISTS sessions (
     hostname            TEXT NOT NULL,
     opened_time         REAL NOT NULL,
     closed_time         REAL,            -- NULL while the session is open
-    close_reason        TEXT             -- 'closed' | 'dead'
+    close_reason        TEXT,            -- 'closed' | 'dead'
+    -- a client's session (NULL for a process's): dead once heartbeat_time + heartbeat_seconds
+    -- has passed (store clock). Added after version 2 (db.ADDED_COLUMNS); older code ignores them.
+    heartbeat_seconds   REAL,
+    heartbeat_time      REAL
 );
 CREATE INDEX IF NOT EXISTS sessions_open ON sessions(opened_time) WHERE closed_time IS NULL;
 

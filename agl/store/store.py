@@ -31,10 +31,11 @@ and `query_rollouts(rollout_ids=...)` is a filter: unknown ids just match nothin
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
@@ -191,23 +192,53 @@ class SqliteStore:
         return None if self.session is None else self.session.session_id
 
     async def session_alive(self, session_id: str) -> bool:
-        """Whether the session is open and its process still runs (R7's test, so a process of
-        another host counts as alive). False for an unknown id."""
+        """Whether the session is open and alive: its process still runs (R7's test, so a process of
+        another host counts as alive), or, a client's session, it still heartbeats. False for an unknown id."""
 
         def read(conn: Any) -> bool:
-            row = conn.execute(
-                "SELECT pid, process_start_time, hostname, closed_time FROM sessions WHERE session_id = ?",
-                (session_id,),
-            ).fetchone()
-            return (
-                row is not None
-                and row["closed_time"] is None
-                and sessions.is_alive(
-                    sessions.SessionInfo(session_id, row["pid"], row["process_start_time"], row["hostname"])
-                )
-            )
+            found = sessions.find(conn, session_id)
+            return found is not None and sessions.is_alive(found, self._db.clock())
 
         return await self._db.read(read)
+
+    # -- client sessions (a store served over HTTP: agl/store/server.py) -----------
+
+    async def open_client_session(self, hostname: str, pid: int, heartbeat_seconds: float) -> str:
+        """Register a client's session: alive while it heartbeats (`heartbeat_session`) at least every
+        `heartbeat_seconds`, then ended as dead (R7). Returns its id; writes made `acting_for` it are its own."""
+        if not heartbeat_seconds > 0:
+            raise ValueError(f"heartbeat_seconds must be positive, not {heartbeat_seconds}")
+
+        def register(tx: Tx) -> str:
+            info = sessions.SessionInfo(None, pid, None, hostname, heartbeat_seconds, tx.now)
+            return sessions.register(tx.conn, info).session_id  # type: ignore[return-value]
+
+        return await self._db.run(self._db.maintain_sync, register, writes=True)
+
+    async def heartbeat_session(self, session_id: str) -> bool:
+        """A client session's heartbeat; False once it has ended (closed, or dead for want of heartbeats)."""
+        return await self._db.run(
+            self._db.maintain_sync, lambda tx: sessions.heartbeat(tx.conn, session_id, tx.now), writes=True
+        )
+
+    async def end_session(self, session_id: str, how: rules.SessionEnd = "closed") -> list[Attempt]:
+        """End a session (R7): its active attempts go back to the queue uncharged. Idempotent."""
+        return await self._db.run(self._db.maintain_sync, txn.end_session, session_id, how, writes=True)
+
+    async def renew_leases(self) -> None:
+        """Every open client session's heartbeat deadline counts from now (a store server starting again)."""
+        await self._db.run(self._db.maintain_sync, lambda tx: sessions.renew_leases(tx.conn, tx.now), writes=True)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def acting_for(session_id: Optional[str]) -> Iterator[None]:
+        """Inside the block (this task and what it awaits), writes are made for `session_id`: the attempts
+        they create are its own (R7), and they are refused with `SessionEnded` once it has ended."""
+        token = db.acting_session.set(session_id)
+        try:
+            yield
+        finally:
+            db.acting_session.reset(token)
 
     # -- lifecycle ---------------------------------------------------------------
 
@@ -259,7 +290,7 @@ class SqliteStore:
     def _close_sync(self) -> None:
         try:
             if not self.readonly and self._db.conn is not None and not self._db.full:  # full: as after kill -9
-                self._db.write_sync(self._end_session_tx)
+                self._db.maintain_sync(self._end_session_tx)
         finally:
             self._close_connection()
 

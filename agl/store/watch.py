@@ -10,7 +10,8 @@ processes raise no event here, so a waiter also looks at `PRAGMA data_version`
 `poll_interval`, and re-reads its rollouts by primary key only when it moved.
 Neither path ever reads the whole table.
 
-Deadlines are enforced by `check_timeouts()` (the watchdog calls it), and
+Deadlines are enforced by `check_timeouts()` (the watchdog calls it), with the
+heartbeat deadlines of client sessions (sessions.py) on every pass, and
 also cheaply before every dequeue and every read, waiter polls included: one
 probe of the partial index on `attempts.deadline`. A read-only store applies
 them in memory instead (overdue.py).
@@ -34,6 +35,12 @@ from agl.store.codec import ROLLOUT_COLUMNS, RolloutRow, dumps
 from agl.types import Attempt, Rollout
 
 logger = logging.getLogger("agl.store")
+
+# Open client sessions whose heartbeats stopped (sessions.is_alive's rule, in SQL: no process to ask)
+EXPIRED_LEASES = (
+    "SELECT session_id FROM sessions WHERE closed_time IS NULL AND heartbeat_seconds IS NOT NULL "
+    "AND coalesce(heartbeat_time, 0) + heartbeat_seconds <= ? ORDER BY rowid"
+)
 
 
 class _Waiter:
@@ -179,19 +186,24 @@ class Watch:
 
     # -- deadlines, dead sessions, watchdog --------------------------------------
 
-    def reap_dead_sessions_sync(self) -> list[Attempt]:
-        self._last_session_check = time.monotonic()
-        dead = sessions.find_dead(self.db.conn, exclude=self.db.session_id)
+    def reap_dead_sessions_sync(self, leases_only: bool = False) -> list[Attempt]:
+        """R7 for every open session whose process died or whose heartbeats stopped (`leases_only`: only
+        the latter, an SQL probe; the processes are asked every `session_check_interval`)."""
+        now = self.db.clock()
+        if leases_only:
+            dead = [row[0] for row in self.db.conn.execute(EXPIRED_LEASES, (now,))]
+        else:
+            self._last_session_check = time.monotonic()
+            dead = sessions.find_dead(self.db.conn, exclude=self.db.session_id, now=now)
         changed: list[Attempt] = []
         for session_id in dead:
             logger.warning("store session %s is dead; its active attempts go back to the queue (R7)", session_id)
-            changed += self.db.write_sync(txn.end_session, session_id, "dead")
+            changed += self.db.maintain_sync(txn.end_session, session_id, "dead")
         return changed
 
     def _check_timeouts_sync(self) -> list[Attempt]:
-        changed: list[Attempt] = []
-        if time.monotonic() - self._last_session_check >= self.session_check_interval:
-            changed += self.reap_dead_sessions_sync()
+        full = time.monotonic() - self._last_session_check >= self.session_check_interval
+        changed = self.reap_dead_sessions_sync(leases_only=not full)
         changed += self.db.expire_due()
         return changed
 
