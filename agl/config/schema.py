@@ -334,6 +334,13 @@ class GRPOConfig:
     max_grad_norm: float = doc(1.0, "gradients are clipped to this global norm")
     mask_truncated: bool = doc(False, "true: completions cut by max_tokens carry no loss")
     drop_zero_std: bool = doc(True, "skip groups whose rewards are all equal: they teach nothing")
+    dynamic_sampling: bool = doc(
+        False,
+        "DAPO's dynamic sampling: while fewer than batch_size groups have unequal rewards, draw more tasks (up to "
+        "max_extra_groups), then train on the first batch_size that do (agl/train/sampling.py). The yaml: the "
+        "task's recipe.dynamic_sampling, else false",
+    )
+    max_extra_groups: int = doc(12, "dynamic_sampling: tasks a step may draw beyond batch_size at most")
     weight_decay: float = doc(0.0, "AdamW weight decay")
     opmd_tau: float = doc(1.0, "loss_type=opmd: loss / (1 + tau) (Trinity-RFT's default)")
     sapo_tau_pos: float = doc(1.0, "loss_type=sapo: soft-gate temperature for advantages > 0 (SAPO paper / TRL)")
