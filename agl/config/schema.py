@@ -263,7 +263,11 @@ class TaskConfig:
     prompt: str = doc("default", "which of prompts the agent gets")
     prompts: dict[str, Any] = doc({}, "templates the agent gets as prompt_template; empty: DEFAULT_PROMPTS")
     resources: dict[str, Any] = doc({}, "extra keyword arguments for the agent")
-    recipe: dict[str, Any] = doc({}, "warmup_steps, steps, eval_every: algo=grpo's unless overridden")
+    recipe: dict[str, Any] = doc(
+        {},
+        "warmup_steps, steps, eval_every, batch_size, lr, dynamic_sampling, max_extra_groups, gradient_checkpointing: "
+        "algo=grpo's unless overridden (conf/algo/grpo.yaml)",
+    )
 
 
 # ----------------------------------------------------------------------------- algo
