@@ -7,12 +7,14 @@ dynamic sampling on, every fourth task never solved), whose kill -9 exactness te
 
 from __future__ import annotations
 
+import doctest
 import json
 
 from hypothesis import given
 from hypothesis import strategies as st
 from runs import GROUPS_PER_STEP, all_metrics, query
 
+import agl.train.sampling
 from agl.config import GRPOConfig
 from agl.report.run_report import learning_table
 from agl.train.sampling import LOW_SHARE_STEPS, GroupDraws, InformativeWatch, is_informative, next_draw
@@ -60,6 +62,8 @@ def test_a_step_draws_until_b_groups_are_informative_or_the_bound(flags, batch, 
 def test_informative_means_unequal_rewards():
     assert is_informative([0.1, 0.1, 0.2]) and is_informative([1.0, 0.0])
     assert not is_informative([0.0] * 8) and not is_informative([1.0]) and not is_informative([])
+    result = doctest.testmod(agl.train.sampling)
+    assert result.attempted > 0 and result.failed == 0
 
 
 def test_steps_that_learn_little_get_one_warning_naming_what_to_try():
