@@ -265,8 +265,8 @@ class TaskConfig:
     resources: dict[str, Any] = doc({}, "extra keyword arguments for the agent")
     recipe: dict[str, Any] = doc(
         {},
-        "warmup_steps, steps, eval_every, batch_size, lr, dynamic_sampling, max_extra_groups, gradient_checkpointing: "
-        "algo=grpo's unless overridden (conf/algo/grpo.yaml)",
+        "warmup_steps, steps, eval_every, batch_size, lr, temperature, dynamic_sampling, max_extra_groups, "
+        "gradient_checkpointing: algo=grpo's unless overridden (conf/algo/grpo.yaml)",
     )
 
 
