@@ -50,18 +50,19 @@ TASKS = ("sums", "guess_number", "gsm8k")
 PARTS = ("demo", "recipes", "alone", "dynamic", "run")
 SCORES = {"sums": ["correct"], "guess_number": ["reward"], "gsm8k": ["correct", "format"]}  # the tables' 0/1 scores
 DYNAMIC_SEEDS = {"gsm8k": 1}  # the dynamic part's seeds per task, at most (GSM8K's three jobs take ~1.5 h a seed)
-# Minutes a job takes on the 2-core AMX Xeon with nothing beside it (--plan's estimate): sums from the pilots of
-# 2026-12-07 (make demo from a fresh clone 5 min 00 s, the job ~3.7 min of it), guess the number and GSM8K from
-# RESULTS.md's runs on the EPYCs, plus the eval after the warm-up on the final eval's problems.
+# Minutes a job takes on the 2-core AMX Xeon with nothing beside it (--plan's estimate), before the engine work of
+# 2026-12: sums from the pilots of 2026-12-07 (make demo from a fresh clone 5 min 00 s, the job ~4 min of it); guess
+# the number and GSM8K from their plans printed here that day (9 min 42 s and 1 h 13 min, evals and GRPO priced at
+# max_tokens an answer), times the actual/plan ratios of the runs in docs/first-run.md (about 0.7 for the whole job).
 MINUTES = {
     ("sums", "recipe"): 4,
     ("sums", "alone"): 4,
-    ("guess_number", "recipe"): 9,
-    ("guess_number", "alone"): 7,
-    ("gsm8k", "recipe"): 30,
-    ("gsm8k", "alone"): 22,
+    ("guess_number", "recipe"): 8,
+    ("guess_number", "alone"): 5,
+    ("gsm8k", "recipe"): 50,
+    ("gsm8k", "alone"): 35,
 }
-FRESH = {"demo": 5, "run": 32}  # the same from a fresh clone, setup and the model's conversion included
+FRESH = {"demo": 5, "run": 52}  # the same from a fresh clone, setup and the model's conversion included
 
 
 def probes() -> dict:
