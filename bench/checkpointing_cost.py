@@ -1,12 +1,16 @@
 """What replaying decoder layers in backward costs in update time (``algo.gradient_checkpointing``).
 
-One GRPO update of 8 completions x ``--tokens`` random tokens sharing a 150-token prompt on the
+One GRPO update of ``--groups`` groups of 8 completions x ``--tokens`` random tokens, each group sharing a
+``--prompt``-token prompt (150), on the
 embedded model (NF4 + fresh LoRA r16, dapo, lr 0: the weights never change), with checkpointing on
 and off, alternated for ``--rounds`` rounds in one process; medians. The memory it saves is
 bench/memory.py --phases' (BENCHMARKS.md "Memory of the default job").
 
     # ~3 min; writes bench/results/checkpointing_cost.{md,json}
     PYTHONPATH=. .venv/bin/python bench/checkpointing_cost.py
+    # a step of the sums recipe's shape (8 groups of 8 three-token replies to ~40-token prompts; ~1 min)
+    PYTHONPATH=. .venv/bin/python bench/checkpointing_cost.py --prompt 40 --tokens 3 --groups 8 --rounds 5 \
+        --name checkpointing_cost_sums
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import datetime  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import statistics  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
@@ -39,24 +44,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=200, help="completion tokens per sample")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--prompt", type=int, default=PROMPT, help="prompt tokens of each group")
+    parser.add_argument("--groups", type=int, default=1, help="groups of 8 completions, each with its own prompt")
+    parser.add_argument("--name", default="checkpointing_cost", help="bench/results/<name>.{md,json}")
     args = parser.parse_args()
+    argv = sys.argv[1:]
 
     policy = load_model("smollm2")
     rng = random.Random(0)
     samples = [
         Sample(
-            rollout_id=str(i),
-            prompt_ids=list(range(1000, 1000 + PROMPT)),
+            rollout_id=f"{g}-{i}",
+            prompt_ids=list(range(1000 + g * args.prompt, 1000 + (g + 1) * args.prompt)),
             completion_ids=[rng.randint(100, 40000) for _ in range(args.tokens)],
             mask=[1] * args.tokens,
             logprobs=[-1.0] * args.tokens,
             reward=float(i % 2),
             truncated=False,
-            group="g",
+            group=f"g{g}",
         )
+        for g in range(args.groups)
         for i in range(ROWS)
     ]
-    advantages = [1.0 if i % 2 else -1.0 for i in range(ROWS)]
+    advantages = [1.0 if i % 2 else -1.0 for _ in range(args.groups) for i in range(ROWS)]
     runs: dict[str, list[dict]] = {"on": [], "off": []}
     for round_ in range(args.rounds + 1):  # round 0 warms up
         for name in ("on", "off") if round_ % 2 == 0 else ("off", "on"):
@@ -81,21 +91,23 @@ def main() -> None:
         "cpu": torch.backends.cpu.get_cpu_capability(),
         "threads": torch.get_num_threads(),
         "tokens": args.tokens,
+        "prompt": args.prompt,
+        "groups": args.groups,
         "rounds": args.rounds,
         "median": med,
         "on_over_off": ratio,
         "runs": runs,
     }
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "checkpointing_cost.json").write_text(json.dumps(result, indent=1) + "\n")
+    (RESULTS / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
     tokens = med["on"]["tokens"]
     lines = [
         "# Update time with and without replaying decoder layers in backward",
         "",
         f"{result['date']}, {result['cpu']}, {result['threads']} torch threads. "
-        f"One GRPO update of {ROWS} x {args.tokens} completion tokens "
-        f"sharing a {PROMPT}-token prompt ({tokens:.0f} tokens run), medians of {args.rounds} alternated rounds. "
-        "Written by `bench/checkpointing_cost.py`.",
+        f"One GRPO update of {args.groups} x {ROWS} x {args.tokens} completion tokens, "
+        f"each group sharing a {args.prompt}-token prompt ({tokens:.0f} tokens run), medians of {args.rounds} "
+        f"alternated rounds. Written by `bench/checkpointing_cost.py{' ' if argv else ''}{' '.join(argv)}`.",
         "",
         "| `algo.gradient_checkpointing` | update s | forward s | backward s | ms per token run |",
         "|---|---:|---:|---:|---:|",
@@ -107,7 +119,7 @@ def main() -> None:
         "",
         f"**on / off = {ratio:.2f}** (median of the per-round ratios).",
     ]
-    (RESULTS / "checkpointing_cost.md").write_text("\n".join(lines) + "\n")
+    (RESULTS / f"{args.name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -12,6 +12,8 @@ with ``AGL_TEST_KILL`` set it patches that process:
                   checkpoint before it, restoring an optimizer with state;
   ``checkpoint``  dies inside the first checkpoint transaction, after its rows are written
                   and before COMMIT;
+  ``round``       dies as the first rollouts of a GRPO step's extra round of draws (dynamic sampling) end: the
+                  step's first round finished, the extra one partly;
   ``eval_rows:N`` dies right after this process kept its N-th row in the eval cache
                   (agl/eval/cache.py), the rest of the eval unfinished.
 
@@ -34,12 +36,16 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def multi_turn_agent(task: dict, llm, prompt_template: str, **kwargs) -> float:
+def multi_turn_agent(task: dict, llm, prompt_template: str, never_solved_every: int = 0, **kwargs) -> float:
+    """e2e_agents.multi_turn_agent; with ``never_solved_every`` = k, the tasks whose number is a multiple of k score 0
+    whatever the replies: tasks the policy never solves, whose groups have equal rewards (dynamic sampling's case)."""
     time.sleep(SLEEP_S)
     if KILL_AT == "rollout":
         e2e_agents.multi_turn_agent(task, llm, prompt_template, max_turns=1)
         _die()
-    return e2e_agents.multi_turn_agent(task, llm, prompt_template, **kwargs)
+    reward = e2e_agents.multi_turn_agent(task, llm, prompt_template, **kwargs)
+    never_solved = never_solved_every and int(task["id"].rsplit("-", 1)[1]) % never_solved_every == 0
+    return 0.0 if never_solved else reward
 
 
 def _die_after(cls: type, name: str, when=lambda self: True) -> None:
@@ -63,6 +69,21 @@ def _install(point: str) -> None:
 
         nth = int(point.partition(":")[2] or 0)
         _die_after(GRPOUpdate, "step", when=lambda update: optimizer_steps(update.optimizer) >= nth)
+    elif point == "round":
+        from agl.runtime import Runtime
+
+        run_rollouts = Runtime.run_rollouts
+
+        async def die_in_an_extra_round(self, inputs, metadata, **kwargs):
+            if not any(m.get("round") for m in metadata):
+                return await run_rollouts(self, inputs, metadata, **kwargs)
+
+            async def die(ended):
+                _die()
+
+            return await run_rollouts(self, inputs, metadata, **kwargs, on_finished=die)
+
+        Runtime.run_rollouts = die_in_an_extra_round
     elif point == "checkpoint":
         from agl.store.runstate import RunState
 
@@ -79,7 +100,9 @@ def _install(point: str) -> None:
 
         CacheEntry.write = write_then_die
     else:
-        raise ValueError(f"AGL_TEST_KILL={point!r}: expected rollout, update, update:N, checkpoint or eval_rows:N")
+        raise ValueError(
+            f"AGL_TEST_KILL={point!r}: expected rollout, update, update:N, round, checkpoint or eval_rows:N"
+        )
 
 
 def optimizer_steps(optimizer) -> int:

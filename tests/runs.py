@@ -4,9 +4,11 @@
 One fp32 job on the tiny model (so the engine is batch-invariant): a multi-turn agent through the real
 route, 8 concurrent runners, 1 SFT warm-up step then 2 GRPO steps (every kill point of
 tests/crash_points.py is crossed, and the switch from SFT to GRPO), evals before, after the warm-up,
-every 2 steps and at the end. ``runner.max_attempts=1``: a harness death charged to the agent would fail
-its rollout. The same config and seed must end byte-identical however it is run: again, killed and
-resumed, with runner processes, with loggers.
+every 2 steps and at the end. Every fourth task is never solved (its group's rewards are equal), and dynamic
+sampling draws more: step 1's first 2 tasks leave 1 informative group, a second round of 2 gives 2 more (3, and
+the step trains on the first 2); step 2's first 2 are both never solved, and the bound (2 extra) stops it at 1.
+``runner.max_attempts=1``: a harness death charged to the agent would fail its rollout. The same config and seed
+must end byte-identical however it is run: again, killed and resumed, with runner processes, with loggers.
 """
 
 from __future__ import annotations
@@ -38,9 +40,12 @@ RUN = [
     "task.data=crash_points:load",
     "task.max_tokens=6",
     "+task.resources.max_turns=2",
+    "+task.resources.never_solved_every=4",
     "task.eval_size=4",
     "task.final_eval_size=6",  # the baseline and final evals: 6 tasks (eval_all/), the periodic ones the first 4
     "algo.steps=2",
+    "algo.dynamic_sampling=true",
+    "algo.max_extra_groups=2",
     "algo.eval_every=2",
     "algo.batch_size=2",
     "algo.group_size=4",
@@ -53,7 +58,8 @@ RUN = [
 ]
 IN_PROCESS_RUNNERS = ["runner.n=8"]
 STEPS = 3  # 1 SFT + 2 GRPO
-ROLLOUTS_PER_STEP = 8  # batch_size x group_size
+GROUPS_PER_STEP = 4  # batch_size, and the 2 extra tasks dynamic sampling drew in each step
+ROLLOUTS_PER_STEP = GROUPS_PER_STEP * 4  # x group_size
 
 
 def is_cost(name: str) -> bool:

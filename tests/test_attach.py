@@ -16,7 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from runs import RUN, STEPS, adapter, finish, harness, metrics, query
+from runs import ROLLOUTS_PER_STEP, RUN, STEPS, adapter, finish, harness, metrics, query
 
 from agl import run as run_in_process
 from agl.errors import ConfigError
@@ -94,7 +94,8 @@ def test_runner_processes_run_the_same_job_and_stopping_any_process_costs_nothin
 
     assert adapter(run_dir) == adapter(reference)
     assert metrics(run_dir) == metrics(reference)
-    assert [m.get("rollouts") for m in metrics(run_dir)[1:]] == [None] + [8] * (STEPS - 1)  # the SFT step: none
+    # the SFT step: none
+    assert [m.get("rollouts") for m in metrics(run_dir)[1:]] == [None] + [ROLLOUTS_PER_STEP] * (STEPS - 1)
     assert query(run_dir, "SELECT count(*) FROM rollouts WHERE status != 'succeeded'") == [(0,)]
     # every attempt that did not succeed was handed back uncharged: by the killed runner process,
     # the interrupted one, and the one whose job was killed

@@ -47,7 +47,7 @@ def test_the_page_shows_the_yaml_defaults_next_to_the_schema_ones(generated):
     grpo = generated[generated.index("### `algo=grpo`") :]
     assert row(grpo, "algo.steps").startswith("| `algo.steps` | int | `30` | `${oc.select:task.recipe.steps,30}` |")
     assert row(grpo, "algo.warmup.steps").startswith("| `algo.warmup.steps` | int | `0` | `${oc.select:")
-    assert "| `algo.lr` | float | `0.0002` |  | AdamW learning rate |" in grpo  # not set by grpo.yaml: empty cell
+    assert "| `algo.weight_decay` | float | `0.0` |  | AdamW weight decay |" in grpo  # not set by grpo.yaml: empty
     gsm8k = next(line for line in generated.splitlines() if line.startswith("- **`task=gsm8k`**"))
     sets = generated.splitlines()[generated.splitlines().index(gsm8k) + 1]
     assert "`max_tokens`: `256`" in sets and "`recipe.steps`: `8`" in sets

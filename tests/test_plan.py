@@ -19,14 +19,15 @@ RUN = [
     "progress=false",
     "runner.n=8",
     "task=hello",
-    "task.agent=e2e_agents:multi_turn_agent",
-    "task.data=e2e_agents:load",
+    "task.agent=crash_points:multi_turn_agent",
+    "task.data=crash_points:load",
     "task.max_tokens=6",
     "+task.resources.max_turns=2",
+    "+task.resources.never_solved_every=1",  # every reward 0: no GRPO step learns, and the job says so
     "task.eval_size=4",
     "task.final_eval_size=6",
     "algo=grpo",
-    "algo.steps=2",
+    "algo.steps=3",
     "algo.batch_size=2",
     "algo.group_size=4",
     "algo.micro_batch_size=4",
@@ -42,17 +43,23 @@ def compose_cfg(overrides):
         return to_typed(compose("config", overrides=overrides))
 
 
-def test_a_job_prints_its_plan_each_phase_as_it_ends_and_what_it_learned(tmp_path, capsys):
+def test_a_job_prints_its_plan_each_phase_as_it_ends_and_what_it_learned(tmp_path, capsys, caplog):
     grpo.run(compose_cfg(RUN), tmp_path)
     out = capsys.readouterr().out
+    # 3 GRPO steps in a row with no informative group: one line says so, and what to try
+    [warning] = [r.getMessage() for r in caplog.records if "learned little" in r.getMessage()]
+    assert "the last 3 GRPO steps" in warning and "algo.dynamic_sampling=true" in warning
     plan = out[out.index("plan (rates measured here") :]
-    for i, phase in enumerate(["baseline eval", "SFT warm-up", "GRPO", "evals", "final eval"], 1):
+    phases = ["baseline eval", "SFT warm-up", "warm-up eval", "GRPO", "evals", "final eval"]
+    for i, phase in enumerate(phases, 1):
         assert f"  {i}. {phase}" in plan
-        assert f"phase {i} of 5 done, {phase}: " in out, out
-    assert "2 x 4 problems" in plan  # after the warm-up (step 1) and after step 2 of 3; the final eval apart
-    assert "base model vs after 3 steps, the same 6 tasks" in out, out[-2500:]
-    table = out[out.index("base model vs after 3 steps") :]
-    assert "| said_a |" in table and "McNemar exact p" in table
+        assert f"phase {i} of 6 done, {phase}: " in out, out
+    # the warm-up's end on the final eval's 6 problems; the periodic evals after steps 2 and 3 of 4 on the slice
+    assert "warm-up eval   6 problems" in plan and "2 x 4 problems" in plan, plan
+    title = "base model -> after the SFT warm-up (1 step) -> after GRPO (3 steps), the same 6 tasks"
+    assert title in out, out[-2500:]
+    table = out[out.index(title) :]
+    assert "| said_a " in table and "McNemar exact p" in table and "GRPO's change" in table
     for line in (f"report:  {tmp_path / 'report.md'}", f"resume:  python harness.py resume={tmp_path}"):
         assert line in out
     assert (tmp_path / "report.md").is_file() and (tmp_path / "curves.png").is_file()

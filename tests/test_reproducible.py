@@ -59,19 +59,19 @@ def test_evals_replayed_from_the_cache_change_nothing(reference, tmp_path, devic
 
 
 def test_kill_9_anywhere_changes_nothing(reference, tmp_path, device):
-    """Killed at two random moments, then inside a rollout, inside the last GRPO update and inside a
-    checkpoint write (so the last resume restores a GRPO optimizer that has state), resumed each time: the
-    adapter bytes and metrics of the uninterrupted run, every step trained once, and an interrupted step's
-    rollouts reused rather than enqueued again. After the first kill, the run dir's saved config is rewritten as
-    runs saved it before the loss registry (flat loss keys, a Hydra callback by its old module): resumed from it,
-    the run is still the same run."""
+    """Killed at two random moments, then inside a rollout, inside a step's extra round of draws (dynamic
+    sampling), inside the last GRPO update and inside a checkpoint write (so the last resume restores a GRPO
+    optimizer that has state), resumed each time: the adapter bytes and metrics of the uninterrupted run, every
+    step trained once, and an interrupted step's rollouts, every round's, reused rather than enqueued again.
+    After the first kill, the run dir's saved config is rewritten as runs saved it before the loss registry (flat
+    loss keys, a Hydra callback by its old module): resumed from it, the run is still the same run."""
     run_dir, evals = tmp_path / "killed", tmp_path / "evals"  # an empty eval cache: kills may land in the evals
     rng = random.Random(int(os.environ.get("AGL_TEST_KILL_SEED", "0")))
     duration = json.loads((reference / "status.json").read_text())["duration_s"]  # the job, model loaded
     checkpoints_at_kill = []
     proc = harness(*RUN, "runner.n=8", f"hydra.run.dir={run_dir}", device=device, eval_cache=evals)
     last_update = f"update:{STEPS - 1}"  # the last GRPO step's: the resume after it restores a GRPO optimizer
-    for point in ("random", "random", "rollout", last_update, "checkpoint"):
+    for point in ("random", "random", "rollout", "round", last_update, "checkpoint"):
         if point == "random":  # somewhere in the job (timed from its start, not its process's: a forked one starts
             # in a second, a fresh one in several), and no later than the checkpoint before the last GRPO step:
             # a rollout and that step's update are left for the kill points after it, however loaded the machine
@@ -91,7 +91,7 @@ def test_kill_9_anywhere_changes_nothing(reference, tmp_path, device):
         )
         if len(checkpoints_at_kill) == 1:
             as_saved_before_the_renames(run_dir)
-        upcoming = {"random": "", "rollout": last_update, last_update: "checkpoint", "checkpoint": ""}
+        upcoming = {"random": "", "rollout": "round", "round": last_update, last_update: "checkpoint", "checkpoint": ""}
         next_point = "rollout" if len(checkpoints_at_kill) == 2 else upcoming[point]
         proc = harness(f"resume={run_dir}", kill=next_point, eval_cache=evals)
     finish(proc)
@@ -103,8 +103,13 @@ def test_kill_9_anywhere_changes_nothing(reference, tmp_path, device):
     assert query(run_dir, "SELECT step, policy_version FROM checkpoints ORDER BY step") == [
         (s, s + 1) for s in range(STEPS)
     ]
-    # the killed steps' rollouts were reused on resume, not enqueued again: each GRPO step has its own B x G
-    per_step = "SELECT json_extract(metadata, '$.step'), count(*) FROM rollouts WHERE mode = 'train' GROUP BY 1"
-    assert query(run_dir, per_step) == [(s, ROLLOUTS_PER_STEP) for s in range(1, STEPS)]
+    # the killed steps' rollouts were reused on resume, not enqueued again: each GRPO step has its own rounds of
+    # B x G and the extra draws
+    per_step = (
+        "SELECT json_extract(metadata, '$.step'), coalesce(json_extract(metadata, '$.round'), 0), count(*) "
+        "FROM rollouts WHERE mode = 'train' GROUP BY 1, 2"
+    )
+    assert query(run_dir, per_step) == query(reference, per_step)
+    assert sum(n for _, _, n in query(run_dir, per_step)) == ROLLOUTS_PER_STEP * (STEPS - 1)
     died = query(run_dir, "SELECT count(*) FROM attempts WHERE json_extract(metadata, '$.harness_ended') IS NOT NULL")
     assert died[0][0] >= 1  # at least the rollout kill's attempts were handed back, uncharged

@@ -1,11 +1,13 @@
 """The first-run task (tasks/sums): its splits, its answers, its demonstrations and its recipe."""
 
+import doctest
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 
+import tasks.sums.agent
 from agl.config import to_typed
-from tasks.sums.agent import bare_answer, demonstrations, load
+from tasks.sums.agent import bare_answer, demonstrations, load, reward
 
 
 def test_the_splits_are_every_pair_once_and_the_answers_are_sums():
@@ -29,6 +31,15 @@ def test_a_demonstration_replies_with_what_the_reward_takes():
 def test_make_demo_runs_the_recipe_with_a_paired_eval_of_all_200():
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
         config = to_typed(compose("config", overrides=["task=sums", "algo=grpo"]))
-    assert (config.algo.warmup.steps, config.algo.steps, config.algo.eval_every) == (6, 4, 0)
+    assert (config.algo.warmup.steps, config.algo.steps, config.algo.eval_every) == (6, 6, 0)
+    assert (config.algo.batch_size, config.algo.dynamic_sampling, config.algo.max_extra_groups) == (8, True, 8)
+    assert (config.algo.lr, config.algo.temperature, config.algo.gradient_checkpointing) == (3e-4, 1.0, False)
     assert (config.task.eval_size, config.task.final_eval_size) == (50, 0)
     assert "task=sums algo=grpo" in (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+
+
+def test_the_reward_is_the_sum_alone_and_a_lone_wrong_number_gets_the_format_bonus():
+    assert [reward(text, 42) for text in ("42", " 42.\n", "41", "The sum is 42.")] == [1.0, 1.0, 0.0, 0.0]
+    assert [reward(text, 42, format_bonus=0.1) for text in ("42", "41", "17 + 25 = 42")] == [1.0, 0.1, 0.0]
+    result = doctest.testmod(tasks.sums.agent)
+    assert result.attempted > 0 and result.failed == 0

@@ -320,7 +320,11 @@ class TaskConfig:
     prompt: str = doc("default", "which of prompts the agent gets")
     prompts: dict[str, Any] = doc({}, "templates the agent gets as prompt_template; empty: DEFAULT_PROMPTS")
     resources: dict[str, Any] = doc({}, "extra keyword arguments for the agent")
-    recipe: dict[str, Any] = doc({}, "warmup_steps, steps, eval_every: algo=grpo's unless overridden")
+    recipe: dict[str, Any] = doc(
+        {},
+        "warmup_steps, steps, eval_every, batch_size, lr, temperature, dynamic_sampling, max_extra_groups, "
+        "gradient_checkpointing: algo=grpo's unless overridden (conf/algo/grpo.yaml)",
+    )
 
 
 # ----------------------------------------------------------------------------- algo
@@ -408,6 +412,13 @@ class GRPOConfig:
     max_grad_norm: float = doc(1.0, "gradients are clipped to this global norm")
     mask_truncated: bool = doc(False, "true: completions cut by max_tokens carry no loss")
     drop_zero_std: bool = doc(True, "skip groups whose rewards are all equal: they teach nothing")
+    dynamic_sampling: bool = doc(
+        False,
+        "DAPO's dynamic sampling: while fewer than batch_size groups have unequal rewards, draw more tasks (up to "
+        "max_extra_groups), then train on the first batch_size that do (agl/train/sampling.py). The yaml: the "
+        "task's recipe.dynamic_sampling, else false",
+    )
+    max_extra_groups: int = doc(12, "dynamic_sampling: tasks a step may draw beyond batch_size at most")
     weight_decay: float = doc(0.0, "AdamW weight decay")
     temperature: float = doc(0.8, "sampling temperature of the rollouts")
     top_p: float = doc(1.0, "nucleus sampling of the rollouts; 1.0: off")

@@ -292,7 +292,7 @@ async def evaluate(
 
 
 async def eval_during_training(
-    rt: Any, rows: Sequence[dict], step: int, max_tokens: int, slice_size: int = 0
+    rt: Any, rows: Sequence[dict], step: int, max_tokens: int, slice_size: int = 0, rl_from: int | None = None
 ) -> dict[str, float]:
     """The GRPO and SFT trainers' greedy evaluation after ``step`` updates (replies of at most ``max_tokens``,
     the task's prompt), as ``eval/`` metrics.
@@ -306,6 +306,10 @@ async def eval_during_training(
     With ``slice_size`` (the periodic evals' tasks, a prefix of ``rows``), ``eval/`` keeps
     describing that slice, so the curve stays comparable, and ``eval_all/`` describes all of
     ``rows`` (the baseline and final evals on a whole split).
+
+    ``rl_from``: the step of an earlier eval of the same ``rows``, where RL began (a GRPO job's warm-up's end);
+    what changed since then gets the same paired comparison, as ``<score>_rl_base``, ``_rl_gained``, ``_rl_lost``
+    and ``_rl_p``: the RL phase's own change, apart from the warm-up's.
     """
     if not rows:
         return {}
@@ -318,23 +322,32 @@ async def eval_during_training(
         desc=f"eval@{step}",
         split=rt.task_config.eval_split,
     )
-    baseline = None
-    if step != 0 and (rollouts := await rt.store.query_rollouts(metadata={"eval_step": 0})):
-        baseline = await rollout_scores(rt.store, rollouts)
+    baseline = await _scores_at(rt.store, 0) if step != 0 else None
+    rl_start = await _scores_at(rt.store, rl_from) if rl_from and rl_from != step else None
     sliced = slice_size and len(scores) > slice_size
-    metrics = eval_metrics("eval", scores[:slice_size] if sliced else scores, baseline)
+    metrics = eval_metrics("eval", scores[:slice_size] if sliced else scores, baseline, rl_start)
     if sliced:
-        metrics.update(eval_metrics("eval_all", scores, baseline))
+        metrics.update(eval_metrics("eval_all", scores, baseline, rl_start))
     return metrics
 
 
-def eval_metrics(prefix: str, scores: Sequence[dict], baseline: Sequence[dict] | None) -> dict[str, float]:
+async def _scores_at(store: Any, step: int) -> list[dict] | None:
+    """The score rows of the training eval after ``step`` updates, or None when there was none."""
+    rollouts = await store.query_rollouts(metadata={"eval_step": step})
+    return await rollout_scores(store, rollouts) if rollouts else None
+
+
+def eval_metrics(
+    prefix: str, scores: Sequence[dict], baseline: Sequence[dict] | None, rl_start: Sequence[dict] | None = None
+) -> dict[str, float]:
     """Means, Wilson intervals of the 0/1 scores, and (given the baseline's scores) the paired
-    comparison on the tasks both scored, as ``<prefix>/<name>`` metrics."""
+    comparison on the tasks both scored, as ``<prefix>/<name>`` metrics; given ``rl_start``'s scores (an eval of
+    the same tasks where RL began), the comparison with those too, as ``<prefix>/<name>_rl_*``."""
     metrics = {f"{prefix}/{k}": v for k, v in summarize(scores).items()}
     for name, rate in rate_intervals(scores).items():
         metrics[f"{prefix}/{name}_lo"], metrics[f"{prefix}/{name}_hi"] = rate["lo"], rate["hi"]
-    for name, change in paired_changes(baseline or [], scores).items():
-        for key in ("before", "gained", "lost", "p"):
-            metrics[f"{prefix}/{name}_{'base' if key == 'before' else key}"] = change[key]
+    for label, before in (("", baseline), ("_rl", rl_start)):
+        for name, change in paired_changes(before or [], scores).items():
+            for key in ("before", "gained", "lost", "p"):
+                metrics[f"{prefix}/{name}{label}_{'base' if key == 'before' else key}"] = change[key]
     return metrics

@@ -8,6 +8,7 @@ from pathlib import Path
 
 PANELS = [
     ("reward", ["reward_mean"]),
+    ("informative groups (unequal rewards), share of those drawn", ["informative_share"]),
     ("eval", ["eval/reward", "eval/correct", "eval/format", "eval/says_identity"]),
     ("loss", ["loss", "sft_loss"]),  # sft_loss: a GRPO job's SFT warm-up steps
     ("kl_entropy", ["kl", "entropy"]),

@@ -23,7 +23,7 @@ from agl.errors import ConfigError
 from agl.report.plots import draw_panels, read_metrics
 from agl.report.status import effective_status, read_status
 from agl.report.sweep import is_sweep_dir, write_sweep_summary
-from agl.report.tables import fmt, is_derived, markdown_table, vs_base, with_interval
+from agl.report.tables import RL, change, fmt, is_derived, markdown_table, paired_scores, vs_base, with_interval
 from agl.store import db
 
 SLOWEST = 5
@@ -274,7 +274,9 @@ def _by_step_section(rows: list[dict], step_summary: list[tuple]) -> str:
     if not rows:
         return "(no metrics)"
     keys = [
-        k for k in ("reward_mean", "rollouts_failed", "loss", "sft_loss", "eval/reward") if any(k in r for r in rows)
+        k
+        for k in ("reward_mean", "informative_share", "rollouts_failed", "loss", "sft_loss", "eval/reward")
+        if any(k in r for r in rows)
     ]
     keys += sorted(
         {
@@ -292,29 +294,42 @@ def _by_step_section(rows: list[dict], step_summary: list[tuple]) -> str:
     return markdown_table(["step", *keys], table)
 
 
+def _last_paired(rows: list[dict]) -> dict | None:
+    """The last row with an eval paired with the baseline's."""
+    return next((r for r in reversed(rows) if paired_scores(r)), None)
+
+
 def _vs_base_section(rows: list[dict]) -> str | None:
-    """The last eval's 0/1 scores against the baseline's, on the same tasks (McNemar's exact test)."""
-    last = next((r for r in reversed(rows) if any(k.endswith("_p") and is_derived(r, k) for k in r)), None)
+    """The last eval's 0/1 scores against the baseline's, on the same tasks (McNemar's exact test), and, after a
+    warm-up, against the eval where GRPO began."""
+    last = _last_paired(rows)
     if last is None:
         return None
-    keys = sorted(k[:-2] for k in last if k.endswith("_p") and is_derived(last, k))
-    table = [[k, with_interval(last, k), vs_base(last, k)] for k in keys]
-    return f"step {last['step']} against the baseline (step -1), same tasks, greedy:\n\n" + markdown_table(
-        ["score", "rate [95% Wilson]", "base -> now (tasks gained, lost; McNemar exact p)"], table
-    )
+    keys = paired_scores(last)
+    rl = any(f"{k}{RL}_p" in last for k in keys)
+    table = [[k, with_interval(last, k), vs_base(last, k), *([vs_base(last, k, RL)] if rl else [])] for k in keys]
+    headers = ["score", "rate [95% Wilson]", "base -> now (tasks gained, lost; McNemar exact p)"]
+    headers += ["after the warm-up -> now (GRPO's own change)"] if rl else []
+    title = f"step {last['step']} against the baseline (step -1), same tasks, greedy:"
+    return f"{title}\n\n" + markdown_table(headers, table)
 
 
 def learning_table(rows: list[dict]) -> str | None:
     """What a training job learned, for the terminal at its end: each 0/1 score of its last eval against the
     baseline's on the same tasks (the whole end eval, ``eval_all/``, where the periodic ones cover a slice),
-    both with 95% Wilson intervals, the tasks gained and lost, McNemar's exact p."""
+    both with 95% Wilson intervals, the tasks gained and lost, McNemar's exact p. After an SFT warm-up, the eval
+    at its end (the same tasks) stands between them: the warm-up's change and GRPO's own, each tested apart."""
     base = next((r for r in rows if r.get("step") == -1), None)
-    last = next((r for r in reversed(rows) if any(k.endswith("_p") and is_derived(r, k) for k in r)), None)
+    last = _last_paired(rows)
     if base is None or last is None:
         return None
-    keys = sorted(k[:-2] for k in last if k.endswith("_p") and is_derived(last, k))
+    keys = paired_scores(last)
     if any(k.startswith("eval_all/") for k in keys):
         keys = [k for k in keys if k.startswith("eval_all/")]
+    n = int(last.get(keys[0].split("/")[0] + "/n", 0)) if keys else 0
+    warm = next((r for r in reversed(rows) if r.get("stage") == "sft"), None)
+    if warm is not None and any(f"{k}{RL}_p" in last for k in keys):
+        return _phases_table(base, warm, last, keys, n)
     table = [
         [
             k.split("/", 1)[1],
@@ -326,9 +341,33 @@ def learning_table(rows: list[dict]) -> str | None:
         ]
         for k in keys
     ]
-    n = int(last.get(keys[0].split("/")[0] + "/n", 0)) if keys else 0
     return f"base model vs after {last['step'] + 1} steps, the same {n} tasks, greedy:\n\n" + markdown_table(
         ["score", "base [95% Wilson]", "after [95% Wilson]", "gained", "lost", "McNemar exact p"], table
+    )
+
+
+def _phases_table(base: dict, warm: dict, last: dict, keys: list[str], n: int) -> str:
+    """base -> after the warm-up -> after GRPO, each score's three rates and the change of each phase."""
+    steps = lambda n: f"{n} step" + ("s" if n != 1 else "")  # noqa: E731
+    table = [
+        [
+            k.split("/", 1)[1],
+            with_interval(base, k),
+            with_interval(warm, k) if k in warm else last[f"{k}{RL}_base"],
+            with_interval(last, k),
+            change(warm, k) if f"{k}_p" in warm else None,
+            change(last, k + RL),
+            change(last, k),
+        ]
+        for k in keys
+        if f"{k}{RL}_p" in last
+    ]
+    headers = ["score", "base", "after warm-up", "after GRPO", "warm-up's change", "GRPO's change", "whole job"]
+    return (
+        f"base model -> after the SFT warm-up ({steps(warm['step'] + 1)}) -> after GRPO "
+        f"({steps(last['step'] - warm['step'])}), the same {n} "
+        "tasks, greedy; rates [95% Wilson], changes as tasks +gained -lost, McNemar exact p:\n\n"
+        + markdown_table(headers, table)
     )
 
 

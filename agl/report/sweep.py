@@ -30,7 +30,7 @@ from typing import Any
 
 from agl.report.plots import draw_panels, read_metrics
 from agl.report.status import STATUS_FILE, effective_status, read_status
-from agl.report.tables import fmt, is_derived, markdown_table, vs_base, with_interval
+from agl.report.tables import RL, fmt, is_derived, markdown_table, vs_base, with_interval
 
 EXCLUDED_KEYS = ("resume", "report", "device", "progress", "threads", "logger")  # do not change what a job computes
 SWEEP_PANELS = [("reward", ["reward_mean"]), ("eval", ["eval/reward"])]
@@ -146,6 +146,8 @@ def job_record(job_dir: Path) -> dict:
             metrics[f"final {key}"] = with_interval(last, key)
             if (change := vs_base(last, key)) is not None:
                 metrics[f"{key} vs base"] = change
+            if (change := vs_base(last, key, since=RL)) is not None:  # GRPO's own, after a warm-up
+                metrics[f"{key} RL"] = change
         best_eval, best_step = _best(rows, "eval/reward")
         metrics["best eval/reward"], metrics["best step"] = best_eval, best_step
     result = status.get("result")

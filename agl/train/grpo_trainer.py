@@ -6,16 +6,20 @@ demonstrations (``agl.train.sft.SFTStage``): the base model's samples may never 
 Warm-up steps are steps 0..W-1 of the same store, checkpointed and resumed like GRPO's
 (their own cursor and optimizer); GRPO's steps are W..W+steps-1.
 
+The baseline, the eval when the warm-up ends and the final eval take the same problems, so the final table
+says what each phase changed (the warm-up's change, then GRPO's own, each McNemar-tested).
+
 One GRPO step:
   1. sample B tasks (a seeded, resumable cursor) and enqueue G rollouts for each;
-  2. wait for them (runners run the agent; the route records spans);
+  2. wait for them (runners run the agent; the route records spans); with ``dynamic_sampling``, while fewer
+     than B groups have unequal rewards, draw more tasks from the cursor, a round at a time (agl/train/sampling.py);
   3. adapt spans to samples and compute group advantages;
   4. update the LoRA with serving paused; bump the policy version;
   5. checkpoint (adapter, optimizer, cursor, RNG, metrics) in one store transaction;
   6. every ``eval_every`` steps, evaluate on a fixed held-out slice.
 
 Resume: a killed run reopens its store, restores the last checkpoint, and re-enters the
-interrupted step; that step's rollouts are found by ``metadata.step`` and reused (the
+interrupted step; that step's rollouts are found by ``metadata.step`` (and ``metadata.round``) and reused (the
 finished ones as they are; the store requeued the ones the dead process was running).
 """
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from typing import Any
 
@@ -41,10 +46,20 @@ from agl.train.grpo import GRPOUpdate
 from agl.train.plan import JobPlan, Phase, measure_rates, probe_prompt
 from agl.train.resume import TaskCursor, log_baseline, resume_or_start, save_checkpoint
 from agl.train.samples import spans_to_samples
+from agl.train.sampling import GroupDraws, InformativeWatch, group_rewards
 from agl.train.sft import SFTStage, sft_loss_and_backward
 
+log = logging.getLogger(__name__)
+
 # the phases of a GRPO job, as its plan names them (agl/train/plan.py)
-BASELINE, WARMUP, GRPO, EVALS, FINAL = "baseline eval", "SFT warm-up", "GRPO", "evals", "final eval"
+BASELINE, WARMUP, WARMUP_EVAL, GRPO, EVALS, FINAL = (
+    "baseline eval",
+    "SFT warm-up",
+    "warm-up eval",
+    "GRPO",
+    "evals",
+    "final eval",
+)
 
 
 class GRPOTrainer:
@@ -60,6 +75,7 @@ class GRPOTrainer:
         # the baseline and the final eval: eval_rows and a seeded choice of the rest, for the paired test at the end
         self.end_rows = end_eval_rows(eval_rows, task.eval_size, task.final_eval_size, task.final_eval_seed)
         self.cursor = TaskCursor(len(self.train_rows), rt.seed)
+        self.watch = InformativeWatch()  # warns once when steps in a row learn little
         self.update = GRPOUpdate(rt.policy, algo)
         self.estimator = ESTIMATORS.get(algo.advantage)
         warmup = self.algo.warmup
@@ -83,6 +99,7 @@ class GRPOTrainer:
             self.plan.tick(BASELINE)
             return False
         self.cursor = TaskCursor(len(self.train_rows), self.rt.seed, **checkpoint.state["cursor"])
+        self.watch = InformativeWatch(**checkpoint.state.get("informative", {}))
         if self.warmup and "sft_cursor" in checkpoint.state:
             self.warmup.restore_cursor(checkpoint.state["sft_cursor"])
         self.step = checkpoint.step + 1
@@ -109,7 +126,8 @@ class GRPOTrainer:
         n_end, n_slice, p = len(self.end_rows), len(self.eval_rows), len(prompt_ids)
         warmup_left = max(0, self.warmup_steps - self.step)
         grpo_left = self.algo.steps - max(0, self.step - self.warmup_steps)
-        periodic = sum(self._due(s) for s in range(self.step + 1, self.total_steps))
+        warmup_eval = int(self.step < self.warmup_steps < self.total_steps and n_end > 0)  # on the end's problems
+        periodic = sum(self._due(s) for s in range(self.step + 1, self.total_steps) if s != self.warmup_steps)
         phases = [
             Phase(
                 BASELINE,
@@ -130,13 +148,15 @@ class GRPOTrainer:
                     units=warmup_left,
                 )
             )
+            phases.append(Phase(WARMUP_EVAL, f"{n_end} problems", rates.eval_s(n_end, p, tokens), units=warmup_eval))
         rollouts = algo.batch_size * algo.group_size
         sample_s = algo.batch_size * p * rates.prefill_s_per_token + rates.decode_s(rollouts, tokens)
         update_s = rollouts * train_length * rates.train_s_per_token * algo.num_iterations * (1 + (algo.beta > 0) / 3)
         phases.append(
             Phase(
                 GRPO,
-                f"{grpo_left} steps x {rollouts} rollouts",
+                f"{grpo_left} steps x {rollouts} rollouts"
+                + (f" (+ up to {algo.max_extra_groups * algo.group_size})" if algo.dynamic_sampling else ""),
                 grpo_left * (sample_s + update_s),
                 units=grpo_left,
             )
@@ -166,7 +186,7 @@ class GRPOTrainer:
         return self.warmup.optimizer if state.get("stage") == "sft" else self.update.optimizer
 
     def _state(self, stage: str) -> dict:
-        state = {"stage": stage, "cursor": self.cursor.state()}
+        state = {"stage": stage, "cursor": self.cursor.state(), "informative": self.watch.state()}
         return state | ({"sft_cursor": self.warmup.cursor.state()} if self.warmup else {})
 
     # ------------------------------------------------------------------ loop
@@ -186,16 +206,21 @@ class GRPOTrainer:
                 else:
                     metrics = await self.train_step()
                     optimizer = self.update.optimizer
+                    warning = self.watch.check(metrics["informative_share"], self.algo)  # saved with the step
                 metrics["stage"] = stage
                 self.plan.tick(WARMUP if stage == "sft" else GRPO)
                 metrics.update(await self._eval_if_due(self.step + 1))
                 await save_checkpoint(self.rt, self.step, self._state(stage), optimizer, metrics)
                 append_metrics(self.run_dir, metrics)
-                shown = (
-                    {"sft_loss": f"{metrics['sft_loss']:.3f}"}
-                    if stage == "sft"
-                    else {"reward": f"{metrics['reward_mean']:.3f}"}
-                )
+                if stage == "sft":
+                    shown = {"sft_loss": f"{metrics['sft_loss']:.3f}"}
+                else:  # the groups that taught something, of those drawn
+                    shown = {
+                        "reward": f"{metrics['reward_mean']:.3f}",
+                        "informative": f"{metrics['groups_informative']}/{metrics['groups_drawn']}",
+                    }
+                    if warning:  # once a job: several steps in a row learned little
+                        log.warning(warning)
                 bar.set_postfix(**shown, version=metrics["policy_version"])
                 bar.update(1)
                 self.step += 1
@@ -207,35 +232,55 @@ class GRPOTrainer:
     async def train_step(self) -> dict:
         rt, algo, step = self.rt, self.algo, self.step
         started = time.perf_counter()
-        picked = self.cursor.take(algo.batch_size)
         resources_id = await rt.resources_id(rt.task.resources_for(rt.task_config.prompt))
         sampling = {"temperature": algo.temperature, "top_p": algo.top_p, "max_tokens": algo.max_tokens}
-        inputs, metadata = [], []
-        for g, index in enumerate(picked):
-            row = self.train_rows[index]
-            for _ in range(algo.group_size):
-                inputs.append(row)
-                metadata.append({"step": step, "group": f"{step}-{g}", "task_id": row.get("id"), "sampling": sampling})
-        existing = await rt.store.query_rollouts(step=step)  # a resumed step's rollouts
+        existing = await rt.store.query_rollouts(step=step)  # a resumed step's rollouts, every round's
         prefilled_before = rt.engine.stats["prefill_tokens"]
-        rollouts = await rt.run_rollouts(
-            inputs, metadata, mode="train", resources_id=resources_id, existing=existing, desc=f"step {step}"
-        )
-        await check_rollouts(rt.store, rollouts, f"training step {step}")  # all failed: nothing to learn, the job fails
+        # B tasks, then with dynamic sampling rounds of more until B groups have unequal rewards (agl/train/sampling.py)
+        draws = GroupDraws(algo.batch_size, algo.max_extra_groups if algo.dynamic_sampling else 0)
+        rollouts, samples = [], []
+        rewards = {}  # reward_mean counts every rollout, a failed one as 0, as eval/reward does
+        while size := draws.next_round():
+            r, first = draws.rounds, draws.drawn
+            groups = [f"{step}-{g}" for g in range(first, first + size)]
+            inputs, metadata = [], []
+            for group, index in zip(groups, self.cursor.take(size)):
+                row = self.train_rows[index]
+                for _ in range(algo.group_size):
+                    inputs.append(row)
+                    metadata.append({"step": step, "group": group, "task_id": row.get("id"), "sampling": sampling})
+                    if r:  # the first round's metadata is what it was before rounds existed
+                        metadata[-1]["round"] = r
+            got = await rt.run_rollouts(
+                inputs,
+                metadata,
+                mode="train",
+                resources_id=resources_id,
+                existing=[x for x in existing if (x.metadata or {}).get("round", 0) == r],
+                desc=f"step {step}" + (f" round {r}" if r else ""),
+            )
+            # all failed: nothing to learn, the job fails
+            await check_rollouts(rt.store, got, f"training step {step}" + (f" round {r}" if r else ""))
+            round_samples: list = []
+            for rollout in got:
+                rewards[rollout.rollout_id] = 0.0
+            for rollout in succeeded(got):
+                spans = await rt.store.query_spans(rollout.rollout_id, "latest")
+                reward = final_reward(spans)
+                round_samples += spans_to_samples(spans, reward=reward, group=rollout.metadata["group"])
+                rewards[rollout.rollout_id] = reward or 0.0
+            draws.add(groups, group_rewards(round_samples))
+            rollouts += got
+            samples += round_samples
         rollout_s = time.perf_counter() - started
 
-        finished = succeeded(rollouts)
-        samples: list = []
-        rewards = {
-            r.rollout_id: 0.0 for r in rollouts
-        }  # reward_mean counts every rollout, a failed one as 0, as eval/reward does
-        for rollout in finished:
-            spans = await rt.store.query_spans(rollout.rollout_id, "latest")
-            reward = final_reward(spans)
-            samples += spans_to_samples(spans, reward=reward, group=rollout.metadata["group"])
-            rewards[rollout.rollout_id] = reward or 0.0
-        advs, flat = advantages(samples, self.estimator)
-        kept, advs = drop_groups(samples, advs, flat) if algo.drop_zero_std else (samples, advs)
+        if algo.dynamic_sampling:  # the first B informative groups; their advantages among themselves
+            kept_groups = set(draws.kept())
+            trained = [s for s in samples if s.group in kept_groups]
+        else:
+            trained = samples
+        advs, flat = advantages(trained, self.estimator)
+        kept, advs = drop_groups(trained, advs, flat) if algo.drop_zero_std else (trained, advs)
         groups = len({s.group for s in samples})
 
         update_started = time.perf_counter()
@@ -255,7 +300,7 @@ class GRPOTrainer:
             "reward_mean": float(rewards_t.mean()),
             "reward_std": float(rewards_t.std()) if len(rewards) > 1 else 0.0,
             "rollouts": len(rollouts),
-            "rollouts_failed": len(rollouts) - len(finished),
+            "rollouts_failed": len(rollouts) - len(succeeded(rollouts)),
             "samples_trained": len(kept),
             "completion_len_mean": sum(lengths) / max(len(lengths), 1),
             "completion_len_max": max(lengths, default=0),
@@ -266,8 +311,9 @@ class GRPOTrainer:
             "time_rollout_s": rollout_s,
             "time_update_s": update_s,
             "time_other_s": total_s - rollout_s - update_s,
-            "frac_reward_zero_std": len(flat) / max(groups, 1),
+            "frac_reward_zero_std": draws.flat / max(groups, 1),
             "groups": groups,
+            **draws.metrics(trained=len({s.group for s in kept})),
             **update_metrics,
             **device_memory(rt.policy.device),  # peak_vram_mib on CUDA
         }
@@ -275,13 +321,21 @@ class GRPOTrainer:
     async def _eval_if_due(self, step: int) -> dict:
         if not self._due(step):
             return {}
-        end = step in (0, self.total_steps)
+        # the baseline, the warm-up's end and the last eval take the final eval's problems: each phase's change is
+        # paired on the same ones (the final eval compares with both)
+        warmed_up = bool(self.warmup_steps) and step == self.warmup_steps
+        end = step in (0, self.total_steps) or warmed_up
         rows = self.end_rows if end else self.eval_rows
-        phase = BASELINE if step == 0 else FINAL if end else EVALS
+        phase = BASELINE if step == 0 else FINAL if step == self.total_steps else WARMUP_EVAL if warmed_up else EVALS
         if step:  # the baseline's phase is timed around its logging too (restore)
             self.plan.begin(phase)
         metrics = await eval_during_training(
-            self.rt, rows, step, self.algo.max_tokens, slice_size=len(self.eval_rows) if end else 0
+            self.rt,
+            rows,
+            step,
+            self.algo.max_tokens,
+            slice_size=len(self.eval_rows) if end else 0,
+            rl_from=self.warmup_steps if self.warmup_steps and step == self.total_steps else None,
         )
         if step:
             self.plan.tick(phase)

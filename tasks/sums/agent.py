@@ -24,7 +24,9 @@ LARGEST = 30  # addends 1..LARGEST: 900 problems
 TEST_SIZE = 200
 
 
-def sums_agent(task: dict, llm: agl.LLM, prompt_template: str, **_: object) -> float:
+def sums_agent(task: dict, llm: agl.LLM, prompt_template: str, format_bonus: float = 0.0, **_: object) -> float:
+    """Reward 1 for the sum alone; ``format_bonus`` (``task.resources.format_bonus``) for a lone number that is not
+    the sum, as GSM8K's well-formed wrong answer gets its own (partial credit for the form)."""
     client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key)
     reply = client.chat.completions.create(
         model=llm.model,
@@ -32,11 +34,21 @@ def sums_agent(task: dict, llm: agl.LLM, prompt_template: str, **_: object) -> f
         **llm.sampling_parameters,
     )
     text = reply.choices[0].message.content or ""
-    correct = bare_answer(text) == str(task["answer"])
-    agl.emit_metric("correct", float(correct))
-    agl.emit_metric("number_only", float(bare_answer(text) is not None))
+    answer = bare_answer(text)
+    agl.emit_metric("correct", float(answer == str(task["answer"])))
+    agl.emit_metric("number_only", float(answer is not None))
     agl.emit_metric("sum_in_reply", float(str(task["answer"]) in re.findall(r"-?\d+", text)))
-    return float(correct)
+    return reward(text, task["answer"], format_bonus)
+
+
+def reward(text: str, answer: int, format_bonus: float = 0.0) -> float:
+    """1 for the sum alone, ``format_bonus`` for another lone number, else 0.
+
+    >>> reward("42", 42), reward("41", 42), reward("41", 42, format_bonus=0.1), reward("17 + 25 = 42", 42, 0.1)
+    (1.0, 0.0, 0.1, 0.0)
+    """
+    bare = bare_answer(text)
+    return 1.0 if bare == str(answer) else format_bonus if bare is not None else 0.0
 
 
 def bare_answer(text: str) -> str | None:
