@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 
 import psutil
 from hosts import Host
-from runs import ROOT, RUN, STEPS, adapter, finish, harness, metrics, query
+from runs import ROLLOUTS_PER_STEP, ROOT, RUN, STEPS, adapter, finish, harness, metrics, query
 from test_attach import busy_sessions, stop, wait_for
 
 STORE_KEY, ROUTE_KEY = "store-sekret", "route-sekret"
@@ -129,7 +129,7 @@ def test_runners_by_url_on_other_hosts_killed_cut_off_and_restarted_leave_the_ru
 
     assert adapter(job_dir) == adapter(reference)
     assert metrics(job_dir) == metrics(reference)
-    assert [m.get("rollouts") for m in metrics(job_dir)[1:]] == [None] + [8] * (STEPS - 1)  # the SFT step: none
+    assert [m.get("rollouts") for m in metrics(job_dir)[1:]] == [None] + [ROLLOUTS_PER_STEP] * (STEPS - 1)  # SFT: none
     assert query(store_dir, "SELECT count(*) FROM rollouts WHERE status != 'succeeded'") == [(0,)]
     # every attempt that did not succeed was handed back uncharged when its runner's session ended: the
     # killed one's and the cut-off one's, for want of heartbeats
