@@ -13,7 +13,15 @@ from agl.policy.load import load_policy
 from agl.policy.lora import resolve_train_merged as resolve
 from agl.policy.sampler_weights import dense_linear
 from agl.train.grpo import GRPOUpdate
-from agl.train.merged_lora import _merged, _plain_adapter, merged_layers, merged_lora_layers
+from agl.train import merged_lora
+from agl.train.merged_lora import (
+    _dequantize_4bit,
+    _merged,
+    _plain_adapter,
+    dequantizable_4bit_layers,
+    merged_layers,
+    merged_lora_layers,
+)
 from agl.train.sft import sft_loss_and_backward
 from tests.test_grpo_update import lora_grads, two_groups_and_a_single
 
@@ -34,7 +42,7 @@ def policy(request, tiny_model_cfg):
     return trained_policy(OmegaConf.merge(tiny_model_cfg, {"quantization": request.param}))
 
 
-def step_grads(policy, merged: bool, **config) -> tuple[dict, dict]:
+def step_grads(policy, merged: bool, dequantize_once: bool = False, **config) -> tuple[dict, dict]:
     """(metrics, LoRA gradients) of one GRPO step over two groups cut into micro-batches and a single,
     with the recomputed old log-probs and the reference pass, that leaves the LoRA as it was."""
     policy.model.zero_grad(set_to_none=True)
@@ -48,7 +56,7 @@ def step_grads(policy, merged: bool, **config) -> tuple[dict, dict]:
         "old_logprobs": "recompute",
         **config,
     }
-    policy = dataclasses.replace(policy, train_merged=merged)
+    policy = dataclasses.replace(policy, train_merged=merged, dequantize_once=dequantize_once)
     metrics = GRPOUpdate(policy, GRPOConfig(**cfg)).step(samples, advs)
     return metrics, lora_grads(policy)
 
@@ -63,6 +71,30 @@ def test_a_merged_update_gives_peft_loss_and_gradients(policy, checkpointing):
     for name, grad in peft_grads.items():
         assert grad.abs().max() > 0, name
         torch.testing.assert_close(merged_grads[name], grad, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("quantization", ["nf4", "fp4"])
+def test_4bit_weights_dequantized_once_give_the_same_bits(tiny_model_cfg, quantization, monkeypatch):
+    """bf16, peft's LoRA: each 4-bit weight dequantized once for the step (dequantized_4bit_layers) gives the
+    loss and the gradients of bitsandbytes' dequantize in every forward, replay and backward, bit for bit."""
+    cfg = OmegaConf.merge(tiny_model_cfg, {"quantization": quantization, "compute_dtype": "bfloat16"})
+    policy = trained_policy(cfg)
+    assert policy.dequantize_once  # on a CPU
+    layers = dequantizable_4bit_layers(policy.model)
+    assert len(layers) == len(merged_layers(policy.model))
+    dequantized = []
+    monkeypatch.setattr(
+        merged_lora, "_dequantize_4bit", lambda w, dtype: dequantized.append(w) or _dequantize_4bit(w, dtype)
+    )
+    runs = [step_grads(policy, merged=False, dequantize_once=once, gradient_checkpointing=True) for once in (0, 1)]
+    assert len(dequantized) == len(layers)  # once each, over the step's 4 passes, replays and backwards
+    (metrics, grads), (once_metrics, once_grads) = runs
+    for key in ("loss", "kl", "ratio_mean", "entropy", "logprob_diff_abs"):
+        assert once_metrics[key] == metrics[key], key
+    assert grads.keys() == once_grads.keys()
+    for name, grad in grads.items():
+        assert grad.abs().max() > 0 and torch.equal(once_grads[name], grad), name
+    assert not any("forward" in layer.__dict__ for layer in layers)  # the step's cache is gone
 
 
 def test_a_merged_sft_step_gives_peft_loss_and_gradients(policy):

@@ -57,6 +57,10 @@ class Policy:
         False  # the update runs LoRA linears merged (model.lora.train_merged, agl/train/merged_lora.py)
     )
     source: str = ""  # where the base weights were loaded from (a local dir or a hub id): the eval cache's key
+    # an update or SFT step dequantizes each 4-bit weight once and keeps it for the step (agl/train/merged_lora.py's
+    # dequantized_4bit_layers): on a CPU, where bitsandbytes' dequantize is a large share of a pass; a GPU keeps
+    # 4-bit's memory saving (its dequantize is a fast kernel)
+    dequantize_once: bool = False
 
     def render_chat(
         self, messages: Sequence[dict], tools: Sequence[dict] | None = None, add_generation_prompt: bool = True
@@ -233,6 +237,7 @@ def _load_policy(cfg: Any, device: str) -> Policy:
         name=cfg.name or Path(str(cfg.path)).name,
         train_merged=resolve_train_merged(cfg.lora.train_merged, compute_dtype),
         source=str(path),
+        dequantize_once=torch_device.type == "cpu",
     )
 
 

@@ -25,7 +25,7 @@ from agl.policy.load import Policy
 from agl.train.activation_checkpointing import checkpointed_layers
 from agl.train.advantages import ESTIMATORS
 from agl.train.loss import LossInputs, micro_batch_loss, resolve_loss
-from agl.train.merged_lora import merged_lora_layers
+from agl.train.merged_lora import dequantized_4bit_layers, merged_lora_layers
 from agl.train.micro_batches import MicroBatch, StepBatches
 from agl.train.samples import Sample
 
@@ -49,9 +49,14 @@ class GRPOUpdate:
         )
 
     def step(self, samples: Sequence[Sample], advs: Sequence[float]) -> dict[str, float]:
-        # small blocks mapped, heaps trimmed after (agl/memory.py);
-        # LoRA layers as one matmul each (agl/train/merged_lora.py)
-        with update_memory(), merged_lora_layers(self.policy.model, self.policy.train_merged):
+        # small blocks mapped, heaps trimmed after (agl/memory.py); LoRA layers as one matmul each, or
+        # their 4-bit base weights dequantized once for the step (agl/train/merged_lora.py)
+        policy = self.policy
+        with (
+            update_memory(),
+            merged_lora_layers(policy.model, policy.train_merged),
+            dequantized_4bit_layers(policy.model, policy.dequantize_once),
+        ):
             return self._step(samples, advs)
 
     def _step(self, samples: Sequence[Sample], advs: Sequence[float]) -> dict[str, float]:

@@ -26,6 +26,10 @@ a numerics change for training that was not validated, so ``auto`` leaves bf16 o
 
 Left out: dropout, DoRA and other LoRA variants, a LoRA bias, several active adapters, mixed
 adapter batches, 8-bit base layers and the output layer; such a layer runs peft's own forward.
+
+Where the LoRA stays peft's (the default in bf16), ``dequantized_4bit_layers`` keeps each 4-bit base
+weight dequantized for the block instead: bitsandbytes dequantizes it in every forward, replay and backward
+otherwise. The same matmuls on the same bytes (tests/test_merged_lora.py checks the gradients bit for bit).
 """
 
 from __future__ import annotations
@@ -144,6 +148,58 @@ def merged_layers(model: Any) -> list[Any]:
         and module is not output
         and type(module.get_base_layer().weight).__name__ != "Int8Params"
     ]
+
+
+def _dequantized_forward(layer: Any, cache: dict, x: torch.Tensor) -> torch.Tensor:
+    """``bitsandbytes.nn.Linear4bit.forward`` (its training path, ``MatMul4Bit``: ``x @ dequant(W).T`` in the
+    compute dtype, ``grad_x = grad_y @ dequant(W)``) with the dequantized weight kept in ``cache``."""
+    weight = cache.get(layer)
+    if weight is None:
+        weight = cache[layer] = _dequantize_4bit(layer.weight, layer.compute_dtype or x.dtype)
+    bias = None if layer.bias is None else layer.bias.to(weight.dtype)
+    return torch.nn.functional.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
+
+
+def _dequantize_4bit(weight: Any, dtype: torch.dtype) -> torch.Tensor:
+    """A ``Params4bit`` as bitsandbytes' forward dequantizes it (``gemm_4bit``'s reference kernel): [out, in]."""
+    import bitsandbytes.functional as bnb_functional
+
+    state = weight.quant_state
+    absmax = state.absmax
+    if state.nested:
+        absmax = bnb_functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
+    return torch.ops.bitsandbytes.dequantize_4bit.default(
+        weight.data.view(-1, 1), absmax.float(), state.blocksize, state.quant_type, state.shape, dtype
+    )
+
+
+def dequantizable_4bit_layers(model: Any) -> list[Any]:
+    """``model``'s bitsandbytes 4-bit linear layers (a LoRA's base layer or not)."""
+    if not any(type(p).__name__ == "Params4bit" for p in model.parameters()):
+        return []
+    from bitsandbytes.nn import Linear4bit
+
+    return [module for module in model.modules() if isinstance(module, Linear4bit)]
+
+
+@contextlib.contextmanager
+def dequantized_4bit_layers(model: Any, enabled: bool = True) -> Iterator[None]:
+    """Within: each 4-bit base layer of ``model`` dequantizes its weight once, on first use, and keeps it in the
+    compute dtype until the block ends (``enabled``). An update step or an SFT step runs every layer's forward,
+    its checkpointed replay and its backward once per micro-batch; bitsandbytes dequantizes the weight in each.
+
+    Cost: the layers' dense size in the compute dtype for the block's length (212 MB for SmolLM2-135M in bf16,
+    what the sampler's dense copy holds too). A merged LoRA layer (``merged_lora_layers``) keeps its own."""
+    layers = dequantizable_4bit_layers(model) if enabled else []
+    cache: dict = {}  # layer -> its dequantized weight
+    for layer in layers:  # an instance attribute, as in merged_lora_layers
+        layer.forward = functools.partial(_dequantized_forward, layer, cache)
+    try:
+        yield
+    finally:
+        cache.clear()
+        for layer in layers:
+            del layer.forward
 
 
 @contextlib.contextmanager

@@ -89,7 +89,7 @@ def sft_loss_and_backward(
     """
     from agl.train.activation_checkpointing import checkpointed_layers
     from agl.train.forward import fused_head
-    from agl.train.merged_lora import merged_lora_layers
+    from agl.train.merged_lora import dequantized_4bit_layers, merged_lora_layers
 
     pad_id = policy.tokenizer.pad_token_id if policy.tokenizer.pad_token_id is not None else policy.eos_token_ids[0]
     total_tokens = sum(sum(mask) for _, mask in examples)
@@ -98,10 +98,11 @@ def sft_loss_and_backward(
     head = fused_head(policy)
     loss_sum = 0.0
     # activations of one layer at a time (agl/train/activation_checkpointing.py);
-    # LoRA layers as one matmul each (agl/train/merged_lora.py)
+    # LoRA layers as one matmul each, or their 4-bit base weights dequantized once (agl/train/merged_lora.py)
     with (
         checkpointed_layers(policy.model, gradient_checkpointing),
         merged_lora_layers(policy.model, policy.train_merged),
+        dequantized_4bit_layers(policy.model, policy.dequantize_once),
     ):
         for indices in sft_micro_batches([len(ids) for ids, _ in examples], micro_batch_size, micro_batch_tokens):
             loss_sum += _micro_batch_backward(policy, [examples[i] for i in indices], head, total_tokens, pad_id)
