@@ -12,8 +12,8 @@ from agl.errors import ConfigError
 from agl.policy.load import load_policy
 from agl.policy.lora import resolve_train_merged as resolve
 from agl.policy.sampler_weights import dense_linear
-from agl.train.grpo import GRPOUpdate
 from agl.train import merged_lora
+from agl.train.grpo import GRPOUpdate
 from agl.train.merged_lora import (
     _dequantize_4bit,
     _merged,
