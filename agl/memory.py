@@ -1,38 +1,21 @@
 """Let freed tensor memory go back to the OS, so a long run's resident size follows what it uses.
 
-glibc's malloc serves a request of at least ``M_MMAP_THRESHOLD`` bytes with its own mmap, and
-unmaps it on free; smaller ones come from heaps that give pages back only from their top. The
-threshold starts at 128 KiB but, by default, rises to the size of every mmapped block freed
-(up to 32 MiB). So after the first steps a KV-cache tensor of a few MiB, an activation or a
-[64, V] logits block comes from a heap; tensors of ever-changing sizes fragment it, and the
-process keeps the pages. Pinning the threshold (mallopt) turns the rise off: the engine's decode
-then keeps far less resident, at some of its speed. The price is page faults: every large tensor
-is fresh mmapped memory the kernel zeroes (system time). Measured, per threshold, and the default
-job's evals without it: BENCHMARKS.md "glibc's mmap threshold pinned". The default is the
-memory-safe setting; ``MALLOC_MMAP_THRESHOLD_`` (glibc's own variable, in bytes) overrides it,
-e.g. 33554432 for speed on a machine with memory to spare.
+On a run whose model computes on the CPU (``harness.py`` leaves all of this alone on CUDA: ``runs_on_cuda``):
 
-``trim`` (glibc's malloc_trim) gives back the free pages left inside heaps. Updates go further
-(``update_memory``): an update's many small, short-lived blocks of ever-changing sizes leave
-its heaps mostly free at its peak, so for the update the threshold drops to 256 KiB, and the
-heaps are trimmed after it. Non-glibc platforms (macOS, musl) keep their own behaviour: both are
-no-ops there.
+  - ``release_freed_memory`` pins glibc's mmap threshold. glibc otherwise raises it to the size of every mmapped
+    block freed, so tensors of a few MiB come from heaps, which tensors of ever-changing sizes fragment and which
+    give pages back only from their top. Pinned, large tensors are mapped and unmapped on free: far less resident,
+    at the price of page faults (the kernel zeroes every fresh page). The default is this memory-safe setting;
+    ``MALLOC_MMAP_THRESHOLD_`` (glibc's own variable, in bytes) overrides it, e.g. 33554432 for speed.
+  - ``update_memory`` lowers the threshold further for an update, whose many small blocks would fragment the heaps,
+    and ``trim`` (glibc's malloc_trim) gives back the free pages left inside heaps after it.
+  - ``preload_allocator`` runs the process again, once, with a malloc that reuses blocks by size class in glibc's
+    place (``AGL_ALLOCATOR``): tcmalloc where the system has it, else mimalloc from its wheel (an agl dependency on
+    Linux, so ``make`` alone gives a fast malloc), else jemalloc; the pinning then does not apply.
+  - ``cap_kernel_caches`` bounds the compiled kernels torch's CPU matmuls keep per shape.
 
-The price of all this is page faults, and an allocator that reuses blocks by size class pays
-neither that price nor glibc's fragmentation. ``preload_allocator`` runs the process again, once,
-with another malloc loaded in glibc's place (``AGL_ALLOCATOR``): tcmalloc where the system has it
-(``apt-get install libtcmalloc-minimal4``), else mimalloc from its wheel (``cmeel-mimalloc``, an agl
-dependency on Linux, so ``make`` alone gives a fast malloc), else jemalloc where installed; the
-pinning above then does not apply. Measured against pinned and unpinned glibc: BENCHMARKS.md
-"tcmalloc in glibc's place" and "A malloc from pip".
-
-``cap_kernel_caches`` bounds what the heaps hold for good: the compiled kernels torch's CPU
-matmuls keep per shape (see there).
-
-All of this is for a run whose model computes on the CPU. A run on a CUDA device keeps its tensors in
-the GPU's memory (torch's caching allocator), so ``harness.py`` leaves malloc and the CPU kernel caches
-as they are there (``runs_on_cuda``): the host then holds the process's Python objects, the route and
-the sampling of [rows, vocabulary] logits, where these measures were never measured to help.
+Non-glibc platforms (macOS, musl) keep their own behaviour: the glibc measures are no-ops there.
+Why, measured: docs/benchmarks-history.md#glibc-malloc
 """
 
 from __future__ import annotations
@@ -182,8 +165,7 @@ def cap_kernel_caches(capacity: int = KERNEL_CACHE_CAPACITY) -> None:
     shapes never stop being new (every micro-batch and prefill has its own length), so both caches
     fill, and the heaps' memory in use grows from a job's first eval to its last. The decode step's
     working set is a few shapes (five weights at the batch's current rows) and a micro-batch's a
-    dozen, so 64 entries lose neither. Measured (heap per entry, a job's growth, an eval's time and
-    peak at 1,024 / 256 / 64 entries): BENCHMARKS.md "The kernel caches' capacity".
+    dozen, so 64 entries lose neither (measured: docs/benchmarks-history.md#kernel-cache-capacity).
     Both libraries read the variables once, at their first kernel: call this before torch
     computes anything. Values already in the environment win.
     """
@@ -200,8 +182,8 @@ def update_memory():
     675 KiB). From a heap they fragment it: at an update's peak the heaps hold more free than in
     use. Mapped, each is unmapped when freed (glibc maps only what its heaps cannot serve, so part
     of them still comes from the heaps' free space). That lowers the update's and the SFT step's
-    peak RSS at some of their time (the kernel zeroes every fresh page: system time). Measured:
-    BENCHMARKS.md "The update's blocks mapped". Only where ``release_freed_memory`` pinned the
+    peak RSS at some of their time (the kernel zeroes every fresh page: system time; measured:
+    docs/benchmarks-history.md#update-blocks-mapped). Only where ``release_freed_memory`` pinned the
     threshold (not under the user's ``MALLOC_MMAP_THRESHOLD_``); the engine is paused meanwhile, so
     nothing else allocates much.
     """
@@ -225,7 +207,7 @@ def trim() -> bool:
     With the pinned threshold only blocks under 1 MiB live in heaps, but a phase that makes many
     of them (an update's autograd graph, a decode's small tensors) leaves free pages between the
     live ones, which a heap keeps until its top is free. The trainers call it after each update
-    (its time, and what it gives back: BENCHMARKS.md "Trimming and collecting").
+    (its cost: docs/benchmarks-history.md#trim-and-collect).
     """
     malloc_trim = _libc_function("malloc_trim")
     if malloc_trim is None:
@@ -238,9 +220,9 @@ def trim() -> bool:
 def long_lived_frozen() -> Iterator[None]:
     """Inside the block, Python's collector skips every object that exists as it starts (``gc.freeze``):
     the imports' and the loaded model's, over half a million with torch and transformers, which a job keeps
-    to its end. A full collection then traverses only what came after: 0.2-0.3 s less per ``collect`` (an
-    AVX512 machine). What is frozen is still freed when its count drops to zero; a cycle among it waits for
-    the block's end. Inside a block another froze first, nothing changes (``gc.unfreeze`` unfreezes all)."""
+    to its end. A full collection then traverses only what came after (docs/benchmarks-history.md#trim-and-collect).
+    What is frozen is still freed when its count drops to zero; a cycle among it waits for the block's end. Inside
+    a block another froze first, nothing changes (``gc.unfreeze`` unfreezes all)."""
     if gc.get_freeze_count():
         yield
         return
@@ -252,12 +234,12 @@ def long_lived_frozen() -> Iterator[None]:
 
 
 def collect() -> None:
-    """A full garbage collection, then ``trim`` (its time with SmolLM2 loaded: BENCHMARKS.md
-    "Trimming and collecting"; ``long_lived_frozen`` takes the model's objects out of it).
+    """A full garbage collection, then ``trim`` (``long_lived_frozen`` takes the model's objects out of it;
+    its cost: docs/benchmarks-history.md#trim-and-collect).
 
     Agents leave reference cycles (an ``openai.OpenAI`` client made per rollout sits in one with
     its SSL context and its OpenSSL heap), and with a loaded model's many long-lived objects
-    Python's own full collections are rare (measured: the same section). The runtime calls this
+    Python's own full collections are rare. The runtime calls this
     every ``runner.collect_every`` finished rollouts.
     """
     gc.collect()

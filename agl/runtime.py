@@ -156,9 +156,8 @@ class Runtime:
         self.engine = Engine(self.policy, **engine_options)
         await self.engine.start()
         frozen_names = list(self.server_config.frozen_models or [])
-        if (
-            frozen_names
-        ):  # one engine on the base weights serves every frozen name; its dense copy is built on first use
+        # one engine on the base weights serves every frozen name; its dense copy is built on first use
+        if frozen_names:
             self.frozen_engine = Engine(self.policy, adapter=False, **engine_options)
             await self.frozen_engine.start()
         self.server = ModelServer(

@@ -40,8 +40,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from bench.common import RESULTS, cpu, matmul_probe
-from bench.serve import memory_probe
+from bench.common import RESULTS, cpu, matmul_probe, memory_probe
 
 HIDDEN, INTERMEDIATE, LAYERS, KV_HEADS, GROUP, HEAD_DIM = 576, 1536, 30, 3, 3, 64
 SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]

@@ -78,16 +78,8 @@ def in_multirun() -> bool:
 
 def config_hash(cfg: DictConfig) -> str:
     plain = OmegaConf.to_container(cfg, resolve=True)
-    for key in (
-        "resume",
-        "report",
-        "progress",
-        "device",
-        "run_dir",
-        "threads",
-        "logger",
-        "eval_cache",
-    ):  # run_dir: agl.run's, where Hydra's is not in cfg; eval_cache: where results are kept, not what runs
+    # run_dir: agl.run's, where Hydra's is not in cfg; eval_cache: where results are kept, not what runs
+    for key in ("resume", "report", "progress", "device", "run_dir", "threads", "logger", "eval_cache"):
         plain.pop(key, None)
     return hashlib.sha1(json.dumps(plain, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
@@ -114,9 +106,8 @@ def run_job(cfg: DictConfig) -> object:
         raise ConfigError(f"algo '{name}' has no job; known: {', '.join(sorted(ALGO_SCHEMAS))}")
     if cfg.get("attach") and name != "runner":
         raise ConfigError(f"attach= joins a running job as a runner process: use it with algo=runner, not algo={name}")
-    threads = apply_threads(
-        cfg, HydraConfig.get() if multirun else None, loads_torch=name not in NO_MODEL
-    )  # jobs x threads <= cores (agl/jobs/launchers.py)
+    # jobs x threads <= cores (agl/jobs/launchers.py)
+    threads = apply_threads(cfg, HydraConfig.get() if multirun else None, loads_torch=name not in NO_MODEL)
     config = to_typed(cfg)  # the one conversion: below here, every part takes its typed section
     if name not in NO_MODEL:  # a device this machine lacks is refused before the job's modules and model load
         from agl.policy.device import resolve_device  # torch: not in a runner process, nor for report=
@@ -127,10 +118,8 @@ def run_job(cfg: DictConfig) -> object:
     if serves_store(name, config):
         store = config.store
         check_exposure("store", store.host, store.api_key, store.allow_public)
-    if name in (
-        "info",
-        "runner",
-    ):  # a smoke test; a process working in another job's run: nothing of their own to record or resume
+    # a smoke test; a process working in another job's run: nothing of their own to record or resume
+    if name in ("info", "runner"):
         return job_function(name)(config, run_dir)
     if name == "store":  # one server per store file; it has no result to record, and serves again when asked
         try:
@@ -193,9 +182,8 @@ def _run_held(cfg: DictConfig, config: Config, name: str, run_dir: Path, multiru
     try:
         seed_everything(config.seed)  # before the model is built: the LoRA's initial weights repeat
         group = run_dir.parent.name if multirun else None  # W&B groups a sweep's jobs by their sweep dir
-        with run_loggers(
-            config.logger, config_record(config), run_dir, group
-        ):  # logger=: metrics.jsonl's rows also to tensorboard / wandb
+        # logger=: metrics.jsonl's rows also to tensorboard / wandb
+        with run_loggers(config.logger, config_record(config), run_dir, group):
             result = job_function(name)(config, run_dir)
     except (Exception, SystemExit) as error:
         full = disk_full_in(error)

@@ -18,8 +18,8 @@ or a local HF dir, its weights as stored. peft merges the LoRA into them in floa
 The consequence for logits: the training policy computes ``nf4(W) x + B A x``, the export
 ``W x + B A x``. They differ by the base's NF4 rounding error, which the export does not have
 and the LoRA never saw, plus the rounding of ``algo.dtype``. The export is the LoRA on the better
-base, not the policy you evaluated. Measured (how far the export's logits are from the
-policy's, quantized and not): BENCHMARKS.md "The export's logits against the policy's".
+base, not the policy you evaluated (how far the export's logits are from the policy's, quantized and
+not: docs/benchmarks-history.md#export-logits).
 ``algo=eval model.quantization=none model.adapter=<run dir>`` scores what the export computes;
 the policy's own eval scores need not carry over.
 

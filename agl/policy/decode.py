@@ -14,17 +14,15 @@ for this one shape:
     packed as that group's "query length" (no ``repeat_kv`` copy of the cache);
   - every product is computed as ``W @ x.T`` (see ``_linear``).
 
-Measured: BENCHMARKS.md "The decode step written out". The logits equal the model's forward to
-float32 rounding (tests/test_decode.py checks 1e-5); the KV cache is the engine's, appended
-through ``cache.update`` as the model's forward does, so prefill (still the model's forward),
-merging and retiring rows are unchanged.
+Why: docs/benchmarks-history.md#decode-step-written-out. The logits equal the model's forward to float32 rounding
+(tests/test_decode.py checks 1e-5); the KV cache is the engine's, appended through ``cache.update`` as the model's
+forward does, so prefill (still the model's forward), merging and retiring rows are unchanged.
 
 With few rows (``quantized_rows``: ``engine.decode_4bit_rows``) a step is bound by streaming its weights
 from memory, and the dense bf16 copy is four times the bytes of the policy's own NF4 base. There each
 matmul group reads the NF4 base through bitsandbytes' CPU 4-bit kernel and adds the LoRA in float32,
 as the trainer computes it (``Nf4Projection``); more rows run the dense copy, where the kernel's
-per-row dequantizing costs more than the bytes saved. Measured: docs/benchmarks-history.md
-"An engine bound by the hardware".
+per-row dequantizing costs more than the bytes saved (docs/benchmarks-history.md#nf4-few-row-decode).
 
 Forward hooks are honoured on the embeddings, the final norm and the output layer (called as
 modules), not inside the decoder layers. Other architectures, a LoRA module left in place of a

@@ -13,8 +13,8 @@ kernels for exact runs.
   sets it when a run will use CUDA (agl.memory.runs_on_cuda). Not ``warn_only``: an op with no
   deterministic CUDA kernel stops the run with torch's error naming it, since an exact run that is not exact is
   worse than none. Strict mode is also what turns deterministic kernels on where torch has both: with
-  ``warn_only=True`` the backward of scaled-dot-product attention (the memory-efficient kernel) only warns
-  and keeps splitting its keys across blocks, and one seed gave different adapters on an H200 (2026-11-27).
+  ``warn_only=True`` the backward of scaled-dot-product attention only warns and stays nondeterministic
+  (docs/benchmarks-history.md#cuda-deterministic-kernels).
 """
 
 from __future__ import annotations

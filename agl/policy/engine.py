@@ -603,7 +603,7 @@ def draw(probs_SV: torch.Tensor, uniforms_S: torch.Tensor) -> torch.Tensor:
 
     One random number per row instead of one per vocabulary entry: with a 49k vocabulary,
     ``torch.multinomial`` (or an exponential race) spent a good part of a decode step drawing
-    random numbers (measured: BENCHMARKS.md "Drawing the sampled token"). The CDF is accumulated
+    random numbers (docs/benchmarks-history.md#drawing-the-sampled-token). The CDF is accumulated
     in float64 so every token's interval has its probability's width to ~1e-16; ``right=True``
     never lands on a zero-probability token.
 

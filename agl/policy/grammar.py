@@ -7,7 +7,7 @@ grammar allows there, and after it consumes the token. The sampler adds ``mask_b
 allowed, -inf elsewhere) to the row's temperature-scaled logits: the distribution it samples from,
 and whose log-prob it records, is the masked one.
 
-Why llguidance (measured: BENCHMARKS.md "Constrained decoding"): no dependencies (a 7.6 MB
+Why llguidance (docs/benchmarks-history.md#structured-outputs): no dependencies (a 7.6 MB
 wheel), works from a Hugging Face fast tokenizer, a mask costs microseconds per token at a
 49,152-token vocabulary, and it names the JSON-schema keywords it cannot enforce instead of
 ignoring them. xgrammar was as fast per mask but needs torch, transformers, triton (a 286 MB

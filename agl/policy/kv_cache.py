@@ -1,10 +1,9 @@
 """The engine's KV cache: rows as slots in buffers with room to grow, so appending a token,
 retiring a row and admitting one copy only what changes.
 
-transformers' ``DynamicLayer`` grows by ``torch.cat`` on every token, so decoding T tokens
-copies O(T^2) cache bytes (its time per decode step: BENCHMARKS.md "The KV cache's slots and
-headroom"). A ``SlotLayer`` keeps each layer's keys and values in two buffers ``[row slots,
-kv_heads, columns, head_dim]`` and exposes the live part, rows ``[:rows]`` and columns
+transformers' ``DynamicLayer`` grows by ``torch.cat`` on every token, so decoding T tokens copies O(T^2) cache
+bytes (docs/benchmarks-history.md#kv-cache-slots). A ``SlotLayer`` keeps each layer's keys and values in two
+buffers ``[row slots, kv_heads, columns, head_dim]`` and exposes the live part, rows ``[:rows]`` and columns
 ``[start:end]``, as views:
 
   - appending writes one column (``update``);
@@ -12,13 +11,11 @@ kv_heads, columns, head_dim]`` and exposes the live part, rows ``[:rows]`` and c
     leading columns no live row uses by moving ``start`` (``keep_rows``);
   - admitting rows writes them into free slots, right-aligned at ``end`` (``add_rows``).
 
-Only when the buffer runs out of rows or columns is the live part copied into a new one, layer
-by layer (so the transient is one layer's): exactly the row slots needed, and the columns needed
-plus ``slack``. Appending then compacts the live part to column 0 every ``slack`` tokens, a copy
-of the cache per 64 decode steps. Headroom is what costs memory, not copies (measured against
-twice the row slots and 1.5x the columns: the same section). Before slots, every retired or
-admitted row cost two or three copies of the whole cache (their share of the engine's time in a
-GSM8K eval: the same section).
+Only when the buffer runs out of rows or columns is the live part copied into a new one, layer by layer (so the
+transient is one layer's): exactly the row slots needed, and the columns needed plus ``slack``. Appending then
+compacts the live part to column 0 every ``slack`` tokens, a copy of the cache per 64 decode steps. Headroom is
+what costs memory, not copies, so it is kept small. Before slots, every retired or admitted row cost two or three
+copies of the whole cache.
 
 Positions outside a row's real tokens hold zeros or an earlier row's keys and values; the
 engine's attention mask hides them. Buffers start zeroed so that no hidden position is NaN (a

@@ -1,10 +1,10 @@
 """A dense, LoRA-merged copy of the policy's linear layers, used only for sampling.
 
-Through the training model, every linear layer of a decode step costs a 4-bit dequantize,
-a base matmul and two LoRA matmuls, plus dtype casts around each: ~10 small ops x 210
-layers, so a batch-32 decode step was op-overhead bound (measured: BENCHMARKS.md "The
-sampler's merged weights"). The sampler instead holds ``W = dequant(W_4bit) + scale * B @ A``
-as one dense matrix per layer in the compute dtype and runs one matmul per layer.
+Through the training model, every linear layer of a decode step costs a 4-bit dequantize, a base matmul and two
+LoRA matmuls, plus dtype casts around each: ~10 small ops x 210 layers, so a batch-32 decode step was op-overhead
+bound (docs/benchmarks-history.md#sampler-merged-weights). The sampler instead holds
+``W = dequant(W_4bit) + scale * B @ A`` as one dense matrix per layer in the compute dtype and runs one matmul per
+layer.
 
 What is shared, not copied: embeddings, norms, rotary buffers and the (tied) vocabulary
 projection are the policy's own modules, so the residual stream and logits stay fp32
@@ -14,11 +14,11 @@ modules, base plus LoRA in fp32, not merged (a merge would write into the shared
 vocabulary matrix). What differs: the LoRA product is rounded into the dense weight
 (bf16 here) instead of being added in fp32. The trainer logs ``logprob_diff_abs`` (mean
 |trainer logprob - sampler logprob| per token): on the hello task it rose a little, with the
-same reward curve (BENCHMARKS.md "The sampler's merged weights"); ``engine.weights=adapter``
+same reward curve; ``engine.weights=adapter``
 turns the merge off.
 
 Cost: 2 bytes per base parameter in bf16, and one re-merge the first time the sampler runs
-after the LoRA changed (both for SmolLM2-135M: BENCHMARKS.md "The sampler's merged weights").
+after the LoRA changed.
 A change is noticed from the LoRA tensors themselves (their in-place version counters), so an
 optimizer step, a checkpoint restore or a ``load_state_dict`` all invalidate the merge without
 any caller having to remember to.

@@ -173,9 +173,9 @@ def gguf_read_once() -> Iterator[None]:
     transformers parses a whole file with gguf-py's ``GGUFReader`` (the embedded tokenizer's ~150k vocabulary and
     merges values, one numpy view each) once for the tokenizer, once for the config and once for the weights, and
     builds a ``TensorNameMap`` (every tensor name gguf-py knows, formatted for every block) again for each of the
-    model's modules: 397 times for SmolLM2-135M. Both are read-only to it. The converter's time with and without:
-    BENCHMARKS.md ("the embedded model's first conversion"). A file written again (another size or mtime) is parsed
-    again. Not thread-safe: it swaps gguf-py's two functions for the block's length.
+    model's modules: 397 times for SmolLM2-135M. Both are read-only to it (the converter's time with and without:
+    docs/benchmarks-history.md#first-conversion). A file written again (another size or mtime) is parsed again. Not
+    thread-safe: it swaps gguf-py's two functions for the block's length.
     """
     import gguf
 

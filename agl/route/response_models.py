@@ -12,9 +12,8 @@ plain ``model_dump()``, no exclude flags.
   - the Responses API: the ``Response`` object, its output items, and ``OutputBuilder``, which
     turns one reply's parsed deltas into those items and the stream events that build them.
 
-Cost: a streamed chat chunk, built and serialized, takes longer as models than as the hand-built
-dict it replaced, a small share of one core at the route's best rate (measured: BENCHMARKS.md
-"The route's response models").
+Cost: a streamed chat chunk, built and serialized, takes longer as models than as the hand-built dict it replaced,
+a small share of one core at the route's best rate (docs/benchmarks-history.md#route-response-models).
 """
 
 from __future__ import annotations

@@ -184,8 +184,8 @@ class ModelServer:
     async def stop(self) -> None:
         """Stop serving, for good: the server lets go of its engines, policy and store. FastAPI keeps every endpoint
         it has seen, bound methods of this server included, in module-level caches (``fastapi.dependencies.models``,
-        4,096 entries each), so a stopped server lives on: without this, each job of a sweep run in one process kept
-        the previous jobs' models and samplers (peak RSS +480 MiB a job on the default GSM8K job, BENCHMARKS.md)."""
+        4,096 entries each), so a stopped server lives on: without this, each job of a sweep run in one process keeps
+        the previous jobs' models and samplers (docs/benchmarks-history.md#route-stopped-models)."""
         if not self._serving.running:
             return
         await self._serving.stop()

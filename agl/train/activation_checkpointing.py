@@ -1,11 +1,10 @@
 """Activation checkpointing of the decoder layers for the update (``algo.gradient_checkpointing``).
 
-Without it, a forward pass keeps every decoder layer's intermediate tensors for backward, for every
-token of the micro-batch. Checkpointed, each layer keeps only its input, and backward runs the layer's
-forward again to get the rest, one layer at a time: the activations of one layer instead of thirty,
-for one more forward pass of the decoder. Measured (the activations' size, the update time, the
-update's and SFT's peaks): BENCHMARKS.md "Activation checkpointing". Same loss and gradients: the
-replay is the same computation on the same inputs (tests/test_grpo_update.py checks it).
+Without it, a forward pass keeps every decoder layer's intermediate tensors for backward, for every token of the
+micro-batch. Checkpointed, each layer keeps only its input, and backward runs the layer's forward again to get the
+rest, one layer at a time: the activations of one layer instead of thirty, for one more forward pass of the decoder
+(docs/benchmarks-history.md#activation-checkpointing). Same loss and gradients: the replay is the same computation
+on the same inputs (tests/test_grpo_update.py checks it).
 
 Why not transformers' own ``gradient_checkpointing_enable``: it drops the KV cache a layer is given
 (``cache=None``), and the update's shared-prompt layout runs the completions against the prompt's

@@ -1,14 +1,12 @@
 """Token log-probs (and entropy) straight from hidden states, in one fused autograd op.
 
-The trainer needs, per completion token, ``log softmax(h @ W.T / temperature)[token]``, and
-the entropy of that distribution as a metric. Written as separate tensor ops (divide,
-logsumexp, gather, log_softmax for the entropy, and autograd's own backward of each), that
-is ~16 passes over a fresh [tokens, vocab] fp32 tensor: with a 49k vocabulary and 1,024
-tokens, 200 MB each (their share of an update, measured: BENCHMARKS.md "The fused log-prob
-head"). Here the forward makes the logits once and turns them into probabilities in place;
-backward reuses those probabilities as the gradient buffer (d logp[token] / d logits = onehot -
-p). About half the passes, one [N, V] tensor kept between forward and backward, and the
-forward's other [N, V] work done in blocks of rows.
+The trainer needs, per completion token, ``log softmax(h @ W.T / temperature)[token]``, and the entropy of that
+distribution as a metric. Written as separate tensor ops (divide, logsumexp, gather, log_softmax for the entropy,
+and autograd's own backward of each), that is ~16 passes over a fresh [tokens, vocab] fp32 tensor: with a 49k
+vocabulary and 1,024 tokens, 200 MB each (docs/benchmarks-history.md#fused-logprob-head). Here the forward makes
+the logits once and turns them into probabilities in place; backward reuses those probabilities as the gradient
+buffer (d logp[token] / d logits = onehot - p). About half the passes, one [N, V] tensor kept between forward and
+backward, and the forward's other [N, V] work done in blocks of rows.
 
 Worked example (one token, vocabulary of 2, temperature 1): logits [0, ln 3] give
 p = [1/4, 3/4]; for token 1, logp = ln(3/4), entropy = -(1/4 ln 1/4 + 3/4 ln 3/4) = 0.562.

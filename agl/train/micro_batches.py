@@ -151,7 +151,7 @@ def grammar_masks(samples: Sequence[Sample], policy: Policy) -> list[list[tuple[
 
 # Per micro-batch, a fixed cost in tokens of work (every layer's 4-bit weights dequantized in each
 # pass, ~3,000 operator dispatches, the loss): cutting a group to save fewer padded tokens than
-# this does not pay. Measured: BENCHMARKS.md "The update's micro-batch planner".
+# this does not pay (why 64: docs/benchmarks-history.md#micro-batch-planner).
 PASS_OVERHEAD_TOKENS = 64
 
 

@@ -6,18 +6,16 @@ engine prefilling and decoding a batch as wide as the job's runners keep it, and
 pass of the policy over a few sequences as long as the job's. As each phase ends it prints one line with
 its time next to the estimate, so a user knows early whether the job fits their patience.
 
-An eval or a GRPO step is priced at ``max_tokens`` per problem and one agent call per problem (GSM8K's base model
-answers run to 242 of 256 tokens; a trained one's stopped near 120 in a 2026-11-29 run, and its final eval took 0.6x
-its estimate: the prompts' prefill does not shrink with the answers). A decode step costs more as the rows' caches
-grow (attention reads every cached position), so the probe times it twice, at the prompt's length and at the prompt's
-length plus ``max_tokens``, and a row's steps are priced at their mean (exact where the cost grows linearly with the
-cache). And an eval's first ``batch`` prompts are prefilled together, but the rest one by one as rows finish, at 2-3x
-the cost per token: the probe times a lone prompt's prefill too. Priced with the batched prefill and the short cache
-alone, a 96-problem GSM8K eval took 1.22x its estimate (89 s against 73 s); with both, 1.09x (85 s against 78 s: the
-engine's and the route's work around each call is not priced). (Two runs on the AVX512-bf16 machine, 2026-11-29.) So
-the estimates are estimates, not bounds. Rows the eval cache holds cost nothing. Left out: the time to load the model
-and start the route (before the plan), the cost of a multi-turn agent's further calls, and the first matmuls' kernel
-compilation (the probe pays it, once).
+An eval or a GRPO step is priced at ``max_tokens`` per problem and one agent call per problem: a trained policy's
+shorter answers make the estimate an upper one for decoding, though the prompts' prefill does not shrink with them.
+A decode step costs more as the rows' caches grow (attention reads every cached position), so the probe times it
+twice, at the prompt's length and at the prompt's length plus ``max_tokens``, and a row's steps are priced at their
+mean (exact where the cost grows linearly with the cache). And an eval's first ``batch`` prompts are prefilled
+together, but the rest one by one as rows finish, at 2-3x the cost per token: the probe times a lone prompt's prefill
+too. The engine's and the route's work around each call is not priced (how close the estimates came:
+docs/benchmarks-history.md#plan-estimates). So the estimates are estimates, not bounds. Rows the eval cache holds
+cost nothing. Left out: the time to load the model and start the route (before the plan), the cost of a multi-turn
+agent's further calls, and the first matmuls' kernel compilation (the probe pays it, once).
 """
 
 from __future__ import annotations
@@ -107,8 +105,8 @@ async def measure_rates(
         """One call (``n`` continuations of each prompt in ``call``), timed by its sequences' own clocks:
         (prefill, decode steps) seconds. The prefill ends when the last row has its first token (from the first
         admission: a lone prompt's wait for company, the engine's ``batch_wait_s``, is not prefill), and the
-        decode steps after it are that row's remaining tokens. (Timed as a 9-token call minus a 1-token one, the
-        8 steps were lost in the prefill's noise: 5 of 11 probes on the embedded model gave 0-7 ms a step.)"""
+        decode steps after it are that row's remaining tokens (not a long call's time minus a short one's, which
+        the prefill's noise swamps: docs/benchmarks-history.md#plan-estimates)."""
         params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
         streams = [s for p in call for s in rt.engine.submit(list(p), params, n=n)]
         await asyncio.gather(*(s.wait() for s in streams))
