@@ -247,8 +247,8 @@ def own_checkpoint_tensors(model: torch.nn.Module) -> None:
     ``from_pretrained`` maps safetensors files, and a weight it keeps in the file's dtype (the fp32
     embeddings and norms next to 4-bit layers) stays a view of the mapping, so the whole file's
     touched pages stay resident for the model's life. Safetensors hands such views out with
-    non-resizable storages; torch's own allocations are resizable. Measured: BENCHMARKS.md "The
-    checkpoint's tensors copied out of its mapping".
+    non-resizable storages; torch's own allocations are resizable. Measured:
+    docs/benchmarks-history.md#checkpoint-tensors-copied.
     """
     tensors = {id(t): t for t in (*model.parameters(), *model.buffers())}  # a tied weight once
     for tensor in tensors.values():

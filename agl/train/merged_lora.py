@@ -10,7 +10,7 @@ gradient through the same merged weight, and A and B theirs from two skinny prod
     dB = scale * dy.T @ (x @ A.T)        dA = scale * (dy @ B).T @ x
 
 The gradients are peft's, summed in another order; the activations kept for backward are the
-same size. Measured (memory and time against peft's): BENCHMARKS.md "The update's merged LoRA layers".
+same size. Measured (memory and time against peft's): docs/benchmarks-history.md#merged-lora-layers.
 
 Within one ``merged_lora_layers`` block (an update, an SFT step) each merged weight is built once and kept:
 the forward, its replay under activation checkpointing and the backward of every micro-batch use it, instead
@@ -135,7 +135,7 @@ def _plain_adapter(layer: Any) -> str | None:
 def merged_layers(model: Any) -> list[Any]:
     """The LoRA-wrapped linear layers of ``model`` that can run merged: all but the output layer and
     8-bit layers (bitsandbytes' int8 matmul quantizes the input too: merged, they would compute
-    something else; measured: BENCHMARKS.md "The update's merged LoRA layers")."""
+    something else; measured: docs/benchmarks-history.md#merged-lora-layers)."""
     from peft.tuners.lora import LoraLayer
 
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
