@@ -2,11 +2,10 @@
 full (status.json `failed`, non-zero exit); some failed -> the eval table says how many and why."""
 
 import json
-from pathlib import Path
 
 import pytest
 from failing_agents import ERROR
-from hydra import compose, initialize_config_dir
+from helpers import compose_cfg
 
 import agl
 from agl.config import to_typed
@@ -14,7 +13,6 @@ from agl.eval.failures import Failures, RolloutsFailed, most_common
 from agl.jobs.eval import run_eval
 from agl.jobs.grpo import train
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "model=tiny",
     "progress=false",
@@ -23,11 +21,6 @@ TINY = [
     "task.eval_size=4",
     "task.max_tokens=4",
 ]
-
-
-def compose_cfg(overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=overrides)
 
 
 def test_most_common_error_and_its_description():

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from helpers import compose_cfg
 from runs import RUN, STEPS, all_metrics, query
 
 import agl
@@ -36,11 +36,6 @@ VOWELS = TINY + [
     "+task.resources.max_turns=2",
     "task.eval_size=6",
 ]
-
-
-def compose_cfg(overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=overrides)
 
 
 def lora_state(policy):
