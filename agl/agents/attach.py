@@ -80,7 +80,7 @@ def runner_entry(rollout_url: str, model: str, api_key: str, session: str, task:
     }
 
 
-def runner_pool(n: int, store: Any, entry: dict, agent: Callable, **kwargs: Any) -> RunnerPool:
+def runner_pool(n: int, store: SqliteStore | StoreClient, entry: dict, agent: Callable, **kwargs: Any) -> RunnerPool:
     """``n`` runners of the run ``entry`` describes, in its job's process or an attached one."""
     return RunnerPool(
         n,
@@ -96,7 +96,7 @@ def runner_pool(n: int, store: Any, entry: dict, agent: Callable, **kwargs: Any)
     )
 
 
-async def ended(store: Any, entry: dict) -> str | None:
+async def ended(store: SqliteStore | StoreClient, entry: dict) -> str | None:
     """Why the run ``entry`` describes is over for its runners, or None while it runs."""
     if await store.get_run_info(RUNNERS_KEY) != entry:
         return "the job stopped"
@@ -126,7 +126,7 @@ def _stopper(signals: bool) -> tuple[asyncio.Future, Callable[[str | None], None
 
 
 async def _run_runners(
-    store: Any,
+    store: SqliteStore | StoreClient,
     entry: dict,
     runner: RunnerConfig,
     stopped: asyncio.Future,

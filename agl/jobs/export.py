@@ -99,7 +99,7 @@ def merged_model(base: str, adapter_dir: Path, dtype: torch.dtype) -> tuple[Any,
     return merged.to(dtype), AutoTokenizer.from_pretrained(base)
 
 
-def merge_tied_lora_once(model: Any) -> None:
+def merge_tied_lora_once(model: torch.nn.Module) -> None:
     """With tied embeddings, agl's LoRA on the vocabulary matrix (``model.lora.train_embeddings`` or
     ``train_head``, see ``agl.policy.lora.lora_config``) is one LoRA seen by both roles, the input
     embeddings and the output layer. peft would merge it into that one shared matrix twice, once
