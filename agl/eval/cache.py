@@ -55,7 +55,7 @@ from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agl.config import EvalCacheConfig, typed
+from agl.config import EvalCacheConfig
 from agl.errors import ConfigError
 from agl.policy.weights import MANIFEST, file_sha256
 
@@ -229,7 +229,7 @@ class EvalCache:
     """``eval_cache.*``: where entries live and which rows may be reused."""
 
     def __init__(self, config: EvalCacheConfig | None = None):
-        config = typed(EvalCacheConfig, config or EvalCacheConfig())
+        config = config or EvalCacheConfig()
         if config.reuse not in REUSE:
             raise ConfigError(f"eval_cache.reuse must be one of {', '.join(REUSE)}, not {config.reuse!r}")
         self.root, self.reuse = cache_root(config.dir), config.reuse

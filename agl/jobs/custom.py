@@ -76,9 +76,8 @@ PROVIDED: dict[str, Callable[[Runtime], Any]] = {
 }
 
 
-def load_algorithm(algo: Any) -> tuple[Callable, list[str]]:
+def load_algorithm(algo: CustomConfig) -> tuple[Callable, list[str]]:
     """``algo.fn`` -> the function and the names in ``PROVIDED`` it takes (see the module docstring)."""
-    algo = typed(CustomConfig, algo)
     if not algo.fn:
         raise ConfigError(
             'algo=custom needs algo.fn=module:function, an async function (see docs/algorithms.md "Your own algorithm")'
