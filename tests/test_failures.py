@@ -5,7 +5,7 @@ import json
 
 import pytest
 from failing_agents import ERROR
-from helpers import compose_cfg
+from helpers import compose_cfg, typed_cfg
 
 import agl
 from agl.config import to_typed
@@ -47,7 +47,7 @@ def test_an_eval_whose_every_rollout_fails_fails_with_the_error_in_full(tmp_path
 
 
 async def test_an_eval_where_some_rollouts_fail_says_how_many_and_why(tmp_path, capsys):
-    result = await run_eval(compose_cfg(TINY + ["task.agent=failing_agents:fails_on_odd_tasks", "algo=eval"]), tmp_path)
+    result = await run_eval(typed_cfg(TINY + ["task.agent=failing_agents:fails_on_odd_tasks", "algo=eval"]), tmp_path)
     assert result["summary"]["failed"] == 0.5
     note = "2 of 4 rollouts of eval test failed; the most common error (1 of 2): ValueError: task 1 is odd"
     assert note in (tmp_path / "eval.md").read_text() and note in capsys.readouterr().out

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from agl.config import Config, ExportConfig, typed
+from agl.config import Config, ExportConfig
 from agl.errors import ConfigError
 from agl.jobs.gguf import check_gguf_support, write_gguf
 from agl.policy.load import DTYPES
@@ -51,7 +51,8 @@ from agl.policy.weights import resolve_model_path
 
 
 def run_export(config: Config, run_dir: Path) -> dict:
-    settings, algo = config.model, typed(ExportConfig, config.algo)
+    settings = config.model
+    algo: ExportConfig = config.algo
     if not settings.adapter:
         raise ConfigError("algo=export needs model.adapter=<run dir or adapter dir>: the LoRA to merge")
     adapter_dir = find_adapter_dir(settings.adapter)
