@@ -59,7 +59,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from agl.agents.runner import RunnerPool
 from agl.agents.tasks import load_task
-from agl.config import RunnerConfig, StoreConfig, plain
+from agl.config import RunnerConfig, StoreConfig, TaskConfig, plain
 from agl.errors import ConfigError
 from agl.store import SessionEnded, SqliteStore, StoreClient, StoreUnreachable
 
@@ -68,7 +68,9 @@ POLL_S = 0.5  # how often an attached runner looks whether the run still runs
 LOST = (StoreUnreachable, SessionEnded)  # a joined runner's store is gone for it: what it reports may not count
 
 
-def runner_entry(rollout_url: str, model: str, api_key: str, session: str, task: Any, default_sampling: dict) -> dict:
+def runner_entry(
+    rollout_url: str, model: str, api_key: str, session: str, task: TaskConfig, default_sampling: dict
+) -> dict:
     """What a runner needs to join the run. ``rollout_url`` has ``{rollout_id}`` and ``{attempt_id}`` fields."""
     return {
         "rollout_url": rollout_url,

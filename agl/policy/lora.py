@@ -10,8 +10,9 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -19,6 +20,9 @@ from safetensors import SafetensorError, safe_open
 from agl.config import LoraConfig as LoraSection
 from agl.config import typed
 from agl.errors import ConfigError
+
+if TYPE_CHECKING:
+    import peft
 
 
 def find_adapter_dir(adapter: str) -> Path:
@@ -63,7 +67,7 @@ def check_adapter_files(adapter_dir: Path) -> None:
 # ----------------------------------------------------------------------------- what the LoRA trains
 
 
-def lora_config(lora: Any, base: torch.nn.Module) -> Any:
+def lora_config(lora: LoraSection | Mapping[str, Any], base: torch.nn.Module) -> peft.LoraConfig:
     """The peft ``LoraConfig`` for ``model.lora``.
 
     ``target_modules`` picks linear layers (``all-linear``: every one but the output layer).
@@ -160,7 +164,7 @@ def tied_lora_aliases(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, 
     return pairs
 
 
-def check_vocabulary_tie(model: torch.nn.Module, lora: Any) -> None:
+def check_vocabulary_tie(model: torch.nn.Module, lora: LoraSection) -> None:
     """Fail when tied embeddings were asked to train but peft did not share one LoRA between them."""
     import peft
 

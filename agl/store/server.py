@@ -133,7 +133,7 @@ class Embedded:
     def running(self) -> bool:
         return self._task is not None
 
-    async def start(self, app: Any, sock: socket.socket, **options: Any) -> None:
+    async def start(self, app: Starlette, sock: socket.socket, **options: Any) -> None:
         """Serve ``app`` on ``sock`` (uvicorn's ``options`` beside the defaults); return once it serves."""
         config = uvicorn.Config(
             app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5, **options

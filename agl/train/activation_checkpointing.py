@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
-def _checkpointed(layer: torch.nn.Module, forward: Any) -> Any:
+def _checkpointed(layer: torch.nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
     index = getattr(getattr(layer, "self_attn", None), "layer_idx", None)
 
     def run(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
