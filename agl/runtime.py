@@ -337,7 +337,7 @@ def reachable(url: str, host: str) -> str:
     return url
 
 
-def engine_kwargs(engine: Any, compute_dtype: str) -> dict:
+def engine_kwargs(engine: EngineConfig, compute_dtype: str) -> dict:
     """``engine.*`` (EngineConfig) as Engine's keyword arguments."""
     return dict(
         max_batch_size=engine.max_batch_size,

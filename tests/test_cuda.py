@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from device_checks import crossings
+from helpers import eval_policy
 
 from agl.config import GRPOConfig
 from agl.memory import runs_on_cuda
@@ -96,8 +97,7 @@ def test_the_samplers_and_the_trainers_logprobs_agree_in_bf16(tiny_model_cfg, de
     model in bf16: their mean gap per token is the update's ``logprob_diff_abs``."""
     cfg = tiny_model_cfg.copy()
     cfg.compute_dtype = "bfloat16"
-    policy = load_policy(cfg, device)
-    policy.model.eval()
+    policy = eval_policy(cfg, device)
     with torch.no_grad():  # logits spread like a trained model's (entropy ~3 nats at T=1 here), not near-uniform
         policy.model.get_input_embeddings().weight.mul_(10)  # tied: the output layer too
     samples = sampled(policy)
@@ -159,8 +159,7 @@ def test_a_decode_step_and_an_update_keep_their_work_on_the_device(tiny_model_cf
     """Inside a decode step only its inputs go to the device and the sampled rows' logits come back; inside an
     update only token ids, masks and per-token values cross (the loss is summed on the CPU), never a weight, an
     activation or a vocabulary-wide row."""
-    policy = load_policy(tiny_model_cfg, device)
-    policy.model.eval()
+    policy = eval_policy(tiny_model_cfg, device)
     samples = sampled(policy, n=2, max_tokens=8)
     # a decode step: 3 rows of 9 cached positions
     merged = MergedSampler(policy.model, policy.compute_dtype)

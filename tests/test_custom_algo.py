@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 import agl
 import agl.notebook
+from agl.config import CustomConfig, typed
 from agl.errors import ConfigError
 from agl.jobs.custom import PROVIDED, load_algorithm
 
@@ -91,7 +92,7 @@ async def positional_only(store, /, rows):
 
 
 def algo(fn, **args):
-    return OmegaConf.create({"name": "custom", "fn": fn, "args": args})
+    return typed(CustomConfig, {"name": "custom", "fn": fn, "args": args})
 
 
 @pytest.mark.parametrize(

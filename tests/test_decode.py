@@ -5,6 +5,7 @@ import asyncio
 
 import pytest
 import torch
+from helpers import eval_policy
 from test_merged import optimizer_step
 
 from agl.policy.decode import decode_step
@@ -18,9 +19,7 @@ from agl.policy.sampler_weights import MergedSampler
 def policy(request, tiny_model_cfg, device):
     cfg = tiny_model_cfg.copy()
     cfg.tiny.architecture = request.param
-    policy = load_policy(cfg, device)
-    policy.model.eval()
-    return policy
+    return eval_policy(cfg, device)
 
 
 def prefilled(model, ids, mask):
@@ -127,8 +126,7 @@ def test_few_rows_read_the_nf4_base_plus_the_lora_as_the_trainer_computes(tiny_m
     assert decode_step(MergedSampler(fp32.model, fp32.compute_dtype), quantized_rows=8).quantized_rows == 0
     cfg = tiny_model_cfg.copy()
     cfg.compute_dtype = "bfloat16"
-    policy = load_policy(cfg, "cpu")
-    policy.model.eval()
+    policy = eval_policy(cfg, "cpu")
     merged = MergedSampler(policy.model, policy.compute_dtype)
     if not _nf4_applies(merged):
         pytest.skip("bitsandbytes' CPU 4-bit kernel needs AVX512-BF16")

@@ -10,12 +10,12 @@ import asyncio
 
 import pytest
 import torch
+from helpers import eval_policy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agl.policy.engine import Engine, SamplingParams
 from agl.policy.kv_cache import SlotLayer
-from agl.policy.load import load_policy
 
 TEXTS = ("Hi", "What is 2 + 2? Think step by step.", "Name a colour", "Write a long sentence about the sea and ships.")
 LONGEST = 24
@@ -23,9 +23,7 @@ LONGEST = 24
 
 @pytest.fixture(scope="module")
 def policy(tiny_model_cfg, device):
-    policy = load_policy(tiny_model_cfg, device)
-    policy.model.eval()
-    return policy
+    return eval_policy(tiny_model_cfg, device)
 
 
 @pytest.fixture(scope="module", autouse=True)

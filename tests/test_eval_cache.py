@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import runs
 import torch
-from hydra import compose, initialize_config_dir
+from helpers import typed_cfg
 
-from agl.config import EvalCacheConfig, to_typed
+from agl.config import EvalCacheConfig
 from agl.eval.cache import (
     EvalCache,
     adapter_digest,
@@ -40,11 +40,6 @@ VOWELS = [
     "+task.resources.max_turns=2",
 ]
 EVAL = VOWELS + ["algo=eval", "task.eval_size=0"]  # all 16 tasks
-
-
-def compose_cfg(overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return to_typed(compose("config", overrides=overrides))
 
 
 def attempts(run_dir: Path) -> int:
@@ -190,9 +185,9 @@ async def test_a_second_job_replays_the_baseline_from_the_cache_and_says_so(tmp_
         "task.final_eval_size=8",
         f"eval_cache.dir={tmp_path / 'evals'}",
     ]
-    await train(compose_cfg(grpo), tmp_path / "first")
+    await train(typed_cfg(grpo), tmp_path / "first")
     assert "from the eval cache" not in capsys.readouterr().out
-    await train(compose_cfg(grpo + ["seed=1"]), tmp_path / "second")  # another seed: another LoRA, no adapter
+    await train(typed_cfg(grpo + ["seed=1"]), tmp_path / "second")  # another seed: another LoRA, no adapter
     out = capsys.readouterr().out
     assert "eval@0: 8 of 8 rows from the eval cache (exact" in out, out
     first, second = (
@@ -219,12 +214,12 @@ async def test_a_second_job_replays_the_baseline_from_the_cache_and_says_so(tmp_
 
 async def test_exact_reuse_only_recomputes_batched_rows(tmp_path, capsys):
     batched = EVAL + ["task.eval_size=4", "engine.batch_invariant=false", f"eval_cache.dir={tmp_path / 'evals'}"]
-    first = await run_eval(compose_cfg(batched), tmp_path / "first")
+    first = await run_eval(typed_cfg(batched), tmp_path / "first")
     assert attempts(tmp_path / "first") == 4 and not first["cached"]
-    again = await run_eval(compose_cfg(batched), tmp_path / "again")
+    again = await run_eval(typed_cfg(batched), tmp_path / "again")
     assert attempts(tmp_path / "again") == 0 and again["cached"] == {"sample": 4}
     assert "4 of 4 rows from the eval cache: 4 sample" in (tmp_path / "again" / "eval.md").read_text()
-    exact_only = await run_eval(compose_cfg(batched + ["eval_cache.reuse=exact"]), tmp_path / "exact")
+    exact_only = await run_eval(typed_cfg(batched + ["eval_cache.reuse=exact"]), tmp_path / "exact")
     assert attempts(tmp_path / "exact") == 4 and not exact_only["cached"]
     assert again["summary"] == first["summary"] == exact_only["summary"]
 
@@ -235,14 +230,14 @@ async def test_exact_reuse_only_recomputes_batched_rows(tmp_path, capsys):
 async def test_a_damaged_row_or_key_is_recomputed_with_one_warning(tmp_path, caplog):
     cache = tmp_path / "evals"
     run = EVAL + [f"eval_cache.dir={cache}"]
-    reference = await run_eval(compose_cfg(run), tmp_path / "reference")
+    reference = await run_eval(typed_cfg(run), tmp_path / "reference")
     rows = rows_of(cache)
     assert len(rows) == 16
     files = sorted(cache.glob("*/*/rows/*.json"))
     files[0].write_bytes(files[0].read_bytes().replace(b'"turns":2', b'"turns":3'))  # a changed score
     files[1].write_bytes(files[1].read_bytes()[:40])  # a torn file
     with caplog.at_level(logging.WARNING, logger="agl.eval.cache"):
-        again = await run_eval(compose_cfg(run), tmp_path / "again")
+        again = await run_eval(typed_cfg(run), tmp_path / "again")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "2 row(s)" in warnings[0], warnings
     assert attempts(tmp_path / "again") == 2 and again["cached"] == {"exact": 14}
@@ -252,7 +247,7 @@ async def test_a_damaged_row_or_key_is_recomputed_with_one_warning(tmp_path, cap
     [key_file] = cache.glob("*/*/key.json")
     key_file.write_text(key_file.read_text().replace('"hello"', '"other"'))  # a stale entry
     with caplog.at_level(logging.WARNING, logger="agl.eval.cache"):
-        third = await run_eval(compose_cfg(run), tmp_path / "third")
+        third = await run_eval(typed_cfg(run), tmp_path / "third")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "does not match its key" in warnings[0], warnings
     assert attempts(tmp_path / "third") == 16 and not third["cached"]
@@ -273,7 +268,7 @@ def harness(run_dir: Path, cache: Path, *args: str, kill: str = "") -> runs.Outp
 def reference_rows(tmp_path_factory) -> dict[str, bytes]:
     """The rows of the 16-task eval computed in one go, into a cache of its own."""
     base = tmp_path_factory.mktemp("reference")
-    asyncio.run(run_eval(compose_cfg(EVAL + [f"eval_cache.dir={base / 'evals'}"]), base / "run"))
+    asyncio.run(run_eval(typed_cfg(EVAL + [f"eval_cache.dir={base / 'evals'}"]), base / "run"))
     return rows_of(base / "evals")
 
 
@@ -284,7 +279,7 @@ async def test_a_killed_eval_resumes_from_the_rows_it_kept(tmp_path, reference_r
     assert killed.returncode == -9, out[-3000:]
     assert len(rows_of(cache)) == 5  # what it had kept when it died
     capsys.readouterr()
-    await run_eval(compose_cfg(EVAL + [f"eval_cache.dir={cache}"]), tmp_path / "next")  # another job: only 11 run
+    await run_eval(typed_cfg(EVAL + [f"eval_cache.dir={cache}"]), tmp_path / "next")  # another job: only 11 run
     assert "eval test: 5 of 16 rows from the eval cache (exact" in capsys.readouterr().out
     assert attempts(tmp_path / "next") == 11
     assert rows_of(cache) == reference_rows  # byte for byte what one uninterrupted eval keeps

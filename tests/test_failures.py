@@ -2,11 +2,10 @@
 full (status.json `failed`, non-zero exit); some failed -> the eval table says how many and why."""
 
 import json
-from pathlib import Path
 
 import pytest
 from failing_agents import ERROR
-from hydra import compose, initialize_config_dir
+from helpers import compose_cfg, typed_cfg
 
 import agl
 from agl.config import to_typed
@@ -14,7 +13,6 @@ from agl.eval.failures import Failures, RolloutsFailed, most_common
 from agl.jobs.eval import run_eval
 from agl.jobs.grpo import train
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "model=tiny",
     "progress=false",
@@ -23,11 +21,6 @@ TINY = [
     "task.eval_size=4",
     "task.max_tokens=4",
 ]
-
-
-def compose_cfg(overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=overrides)
 
 
 def test_most_common_error_and_its_description():
@@ -54,7 +47,7 @@ def test_an_eval_whose_every_rollout_fails_fails_with_the_error_in_full(tmp_path
 
 
 async def test_an_eval_where_some_rollouts_fail_says_how_many_and_why(tmp_path, capsys):
-    result = await run_eval(compose_cfg(TINY + ["task.agent=failing_agents:fails_on_odd_tasks", "algo=eval"]), tmp_path)
+    result = await run_eval(typed_cfg(TINY + ["task.agent=failing_agents:fails_on_odd_tasks", "algo=eval"]), tmp_path)
     assert result["summary"]["failed"] == 0.5
     note = "2 of 4 rollouts of eval test failed; the most common error (1 of 2): ValueError: task 1 is odd"
     assert note in (tmp_path / "eval.md").read_text() and note in capsys.readouterr().out

@@ -21,7 +21,6 @@ import importlib
 import inspect
 import json
 import os
-from pathlib import Path
 
 import framework_agents
 import pytest
@@ -226,17 +225,15 @@ def test_structured_output(served, name):
 
 # ----------------------------------------------------------------------------- the embedded model
 
-ROOT = Path(__file__).resolve().parents[1]
 GREEDY = {"temperature": 0.0, "max_tokens": 64}
 
 
 @pytest.fixture(scope="module")
 def embedded(tmp_path_factory):
     """The route on the embedded SmolLM2-135M-Instruct (conf/model/smollm2.yaml, as composed)."""
-    from hydra import compose, initialize_config_dir
+    from helpers import compose_cfg
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config")
+    cfg = compose_cfg()
     served = Served(
         OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True)),
         tmp_path_factory.mktemp("embedded") / "store.sqlite",

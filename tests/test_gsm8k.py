@@ -275,15 +275,11 @@ def test_lenient_picks_last_number(nums, words):
 
 def test_gsm8k_grpo_runs_its_recipe_and_other_tasks_keep_the_algo_defaults():
     """`python harness.py task=gsm8k algo=grpo` is the sweep's winner (task.recipe); overrides still win."""
-    from pathlib import Path
-
-    from hydra import compose, initialize_config_dir
+    from helpers import compose_cfg
     from omegaconf import OmegaConf
 
     def algo(*overrides):
-        with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
-            cfg = compose("config", overrides=list(overrides))
-        return OmegaConf.to_container(cfg, resolve=True)["algo"]
+        return OmegaConf.to_container(compose_cfg(overrides), resolve=True)["algo"]
 
     gsm8k = algo("task=gsm8k", "algo=grpo")
     assert (gsm8k["warmup"]["steps"], gsm8k["steps"], gsm8k["eval_every"]) == (40, 8, 0)
@@ -297,16 +293,12 @@ def test_gsm8k_grpo_runs_its_recipe_and_other_tasks_keep_the_algo_defaults():
 def test_the_default_jobs_end_evals_are_a_fixed_seeded_subset_of_the_test_set():
     """task.final_eval_size=561 (RESULTS.md "How many problems the evals need"): the periodic slice, then a seeded
     choice spread over the rest of the test set, the same in every run; 0 gives the whole test set."""
-    from pathlib import Path
+    from helpers import typed_cfg
 
-    from hydra import compose, initialize_config_dir
-
-    from agl.config import to_typed
     from agl.eval.evaluate import end_eval_rows
 
     def end_rows(*overrides):
-        with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
-            task = to_typed(compose("config", overrides=["task=gsm8k", "algo=grpo", *overrides])).task
+        task = typed_cfg(["task=gsm8k", "algo=grpo", *overrides]).task
         return end_eval_rows(load_split("test"), task.eval_size, task.final_eval_size, task.final_eval_seed)
 
     test = load_split("test")

@@ -2,16 +2,14 @@
 
 import pytest
 import torch
+from helpers import eval_policy
 
-from agl.policy.load import load_policy
 from agl.policy.sampler_weights import DenseLinear, MergedSampler
 
 
 @pytest.fixture()
 def policy(tiny_model_cfg, device):
-    policy = load_policy(tiny_model_cfg, device)  # NF4 base, fp32 compute: the two paths agree to rounding
-    policy.model.eval()
-    return policy
+    return eval_policy(tiny_model_cfg, device)  # NF4 base, fp32 compute: the two paths agree to rounding
 
 
 IDS = torch.tensor([[1, 9690, 198, 4093, 314, 253, 1345, 2]])
@@ -80,8 +78,7 @@ def test_the_frozen_base_sampler_ignores_the_adapter_and_its_updates(tiny_model_
     cfg = tiny_model_cfg.copy()
     cfg.tiny.tie_word_embeddings = not vocabulary_lora  # an untied head can carry its own LoRA
     cfg.lora.train_embeddings = cfg.lora.train_head = vocabulary_lora
-    policy = load_policy(cfg, device)
-    policy.model.eval()
+    policy = eval_policy(cfg, device)
     frozen = MergedSampler(policy.model, policy.compute_dtype, lora=False)
     for _ in range(2):
         optimizer_step(policy)

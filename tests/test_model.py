@@ -432,10 +432,9 @@ def test_real_conversion_damage_is_detected(converted):
 @pytest.fixture(scope="module")
 def model_cfg():
     """The real `model` config group (conf/model/smollm2.yaml, as composed by Hydra)."""
-    from hydra import compose, initialize_config_dir
+    from helpers import compose_cfg
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config")
+    cfg = compose_cfg()
     return OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True))
 
 

@@ -2,18 +2,15 @@
 
 import functools
 import random
-from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
+from helpers import typed_cfg
 
-from agl.config import to_typed
 from agl.jobs import grpo
 from agl.runtime import Runtime
 from agl.train.plan import measure_rates, probe_prompt
 from agl.train.sft import sft_loss_and_backward
 
-ROOT = Path(__file__).resolve().parents[1]
 RUN = [
     "model=tiny",
     "progress=false",
@@ -38,13 +35,8 @@ RUN = [
 ]
 
 
-def compose_cfg(overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return to_typed(compose("config", overrides=overrides))
-
-
 def test_a_job_prints_its_plan_each_phase_as_it_ends_and_what_it_learned(tmp_path, capsys, caplog):
-    grpo.run(compose_cfg(RUN), tmp_path)
+    grpo.run(typed_cfg(RUN), tmp_path)
     out = capsys.readouterr().out
     # 3 GRPO steps in a row with no informative group: one line says so, and what to try
     [warning] = [r.getMessage() for r in caplog.records if "learned little" in r.getMessage()]
@@ -66,7 +58,7 @@ def test_a_job_prints_its_plan_each_phase_as_it_ends_and_what_it_learned(tmp_pat
 
 
 async def test_measuring_the_rates_changes_nothing_the_job_computes(tmp_path):
-    cfg = compose_cfg(RUN)
+    cfg = typed_cfg(RUN)
     async with Runtime.of(cfg, tmp_path) as rt:
         lora = {n: p.detach().clone() for n, p in rt.policy.model.named_parameters() if p.requires_grad}
         states = (torch.get_rng_state(), random.getstate(), rt.engine.generator.get_state())

@@ -14,7 +14,6 @@ import importlib
 import json
 import os
 import sqlite3
-from pathlib import Path
 
 import pytest
 import torch
@@ -240,16 +239,13 @@ def test_q20_crewai_through_the_harness(tmp_path):
 
 # ----------------------------------------------------------------------------- the embedded model
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.mark.slow
 def test_embedded_model_plays_a_game(tmp_path):
     """SmolLM2-135M-Instruct, greedy: its own questions, the frozen base model's answers."""
-    from hydra import compose, initialize_config_dir
+    from helpers import compose_cfg
 
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("config")
+    cfg = compose_cfg()
     served = ServedWithBase(
         OmegaConf.create(OmegaConf.to_container(cfg.model, resolve=True)), tmp_path / "store.sqlite", perturb=False
     )

@@ -3,10 +3,9 @@
 import doctest
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
+from helpers import typed_cfg
 
 import tasks.sums.agent
-from agl.config import to_typed
 from tasks.sums.agent import bare_answer, demonstrations, load, reward
 
 
@@ -29,8 +28,7 @@ def test_a_demonstration_replies_with_what_the_reward_takes():
 
 
 def test_make_demo_runs_the_recipe_with_a_paired_eval_of_all_200():
-    with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "conf"), version_base="1.3"):
-        config = to_typed(compose("config", overrides=["task=sums", "algo=grpo"]))
+    config = typed_cfg(["task=sums", "algo=grpo"])
     assert (config.algo.warmup.steps, config.algo.steps, config.algo.eval_every) == (6, 6, 0)
     assert (config.algo.batch_size, config.algo.dynamic_sampling, config.algo.max_extra_groups) == (8, True, 8)
     assert (config.algo.lr, config.algo.temperature, config.algo.gradient_checkpointing) == (3e-4, 1.0, False)

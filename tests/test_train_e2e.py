@@ -1,17 +1,15 @@
 """End to end on the tiny model: real store, real HTTP route, real runners, real GRPO update."""
 
 import json
-from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
+from helpers import compose_cfg
 
 from agl.config import to_typed
 from agl.runtime import Runtime, succeeded
 from agl.train.grpo_trainer import GRPOTrainer
 from agl.train.samples import spans_to_samples
 
-ROOT = Path(__file__).resolve().parents[1]
 TINY_RUN = [
     "model=tiny",
     "algo=grpo",
@@ -27,11 +25,6 @@ TINY_RUN = [
     "algo.micro_batch_size=4",
     "algo.lr=1e-2",
 ]
-
-
-def compose_cfg(overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=overrides)
 
 
 def lora_state(policy):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
+from helpers import compose_cfg, typed_cfg
 from runs import RUN, STEPS, all_metrics, query
 
 import agl
@@ -38,11 +38,6 @@ VOWELS = TINY + [
 ]
 
 
-def compose_cfg(overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose("config", overrides=overrides)
-
-
 def lora_state(policy):
     return {n: p.detach().clone() for n, p in policy.model.named_parameters() if p.requires_grad}
 
@@ -62,11 +57,11 @@ async def test_eval_of_a_saved_adapter_reproduces_the_training_eval(reference, t
     task = [o for o in RUN if o.startswith(("model=", "task", "+task", "seed="))]
     # computed again (the eval cache would replay the training run's own rows: tests/test_eval_cache.py)
     eval_cfg = TINY + task + ["algo=eval", "eval_cache.reuse=off", f"device={device}"]
-    trained = await run_eval(compose_cfg(eval_cfg + [f"model.adapter={reference}"]), tmp_path / "trained")
+    trained = await run_eval(typed_cfg(eval_cfg + [f"model.adapter={reference}"]), tmp_path / "trained")
     assert trained["tasks"] == 4 and trained["adapter"] == str(reference / "adapter")
     assert trained["summary"]["reward"] == final["eval/reward"]  # exactly: greedy, same adapter
     assert trained["summary"]["turns"] == final["eval/turns"]
-    base = await run_eval(compose_cfg(eval_cfg), tmp_path / "base")
+    base = await run_eval(typed_cfg(eval_cfg), tmp_path / "base")
     assert base["summary"]["reward"] == baseline["eval/reward"]  # and the base model = the baseline eval
     # token for token: the eval job's replies are the training run's final-eval replies
     at_end, at_start = await _replies(reference, eval_step=STEPS), await _replies(reference, eval_step=0)
@@ -102,7 +97,7 @@ async def _replies(run_dir, **tag):
 
 
 async def test_eval_pass_at_k_samples_k_tries_per_task(tmp_path):
-    cfg = compose_cfg(
+    cfg = typed_cfg(
         VOWELS + ["algo=eval", "algo.size=3", "algo.k=2", "algo.temperature=1.0", "algo.pass_threshold=0.3"]
     )
     result = await run_eval(cfg, tmp_path)
@@ -131,7 +126,7 @@ def test_confidence_intervals():
 
 
 async def test_prompt_search_ranks_the_marked_template_first(tmp_path):
-    cfg = compose_cfg(
+    cfg = typed_cfg(
         TINY
         + [
             "task=hello",

@@ -23,10 +23,14 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from concurrent.futures import Executor
+from typing import TYPE_CHECKING, Any
 
 from agl.config import NO_API_KEY
 from agl.types import Span
+
+if TYPE_CHECKING:
+    from agl.store import SqliteStore, StoreClient
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +52,7 @@ class LLM:
 class RolloutContext:
     """Where ``emit_reward`` writes: the running attempt, its store, and the event loop."""
 
-    store: Any
+    store: SqliteStore | StoreClient
     rollout_id: str
     attempt_id: str
     loop: asyncio.AbstractEventLoop
@@ -176,7 +180,7 @@ BLOCKED_WARNING_S = 1.0  # an async agent's loop stalled this long: say which ag
 
 
 async def call_agent(
-    agent: Callable, context: RolloutContext, task: Any, llm: LLM, resources: dict, executor: Any = None
+    agent: Callable, context: RolloutContext, task: Any, llm: LLM, resources: dict, executor: Executor | None = None
 ) -> Any:
     """Run the agent in a worker thread, with ``context`` current: a sync agent as it is, an async
     one on an event loop of its own in that thread.

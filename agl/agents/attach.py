@@ -59,7 +59,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 from agl.agents.runner import RunnerPool
 from agl.agents.tasks import load_task
-from agl.config import RunnerConfig, StoreConfig, plain
+from agl.config import RunnerConfig, StoreConfig, TaskConfig, plain
 from agl.errors import ConfigError
 from agl.store import SessionEnded, SqliteStore, StoreClient, StoreUnreachable
 
@@ -68,7 +68,9 @@ POLL_S = 0.5  # how often an attached runner looks whether the run still runs
 LOST = (StoreUnreachable, SessionEnded)  # a joined runner's store is gone for it: what it reports may not count
 
 
-def runner_entry(rollout_url: str, model: str, api_key: str, session: str, task: Any, default_sampling: dict) -> dict:
+def runner_entry(
+    rollout_url: str, model: str, api_key: str, session: str, task: TaskConfig, default_sampling: dict
+) -> dict:
     """What a runner needs to join the run. ``rollout_url`` has ``{rollout_id}`` and ``{attempt_id}`` fields."""
     return {
         "rollout_url": rollout_url,
@@ -80,7 +82,7 @@ def runner_entry(rollout_url: str, model: str, api_key: str, session: str, task:
     }
 
 
-def runner_pool(n: int, store: Any, entry: dict, agent: Callable, **kwargs: Any) -> RunnerPool:
+def runner_pool(n: int, store: SqliteStore | StoreClient, entry: dict, agent: Callable, **kwargs: Any) -> RunnerPool:
     """``n`` runners of the run ``entry`` describes, in its job's process or an attached one."""
     return RunnerPool(
         n,
@@ -96,7 +98,7 @@ def runner_pool(n: int, store: Any, entry: dict, agent: Callable, **kwargs: Any)
     )
 
 
-async def ended(store: Any, entry: dict) -> str | None:
+async def ended(store: SqliteStore | StoreClient, entry: dict) -> str | None:
     """Why the run ``entry`` describes is over for its runners, or None while it runs."""
     if await store.get_run_info(RUNNERS_KEY) != entry:
         return "the job stopped"
@@ -126,7 +128,7 @@ def _stopper(signals: bool) -> tuple[asyncio.Future, Callable[[str | None], None
 
 
 async def _run_runners(
-    store: Any,
+    store: SqliteStore | StoreClient,
     entry: dict,
     runner: RunnerConfig,
     stopped: asyncio.Future,

@@ -33,14 +33,17 @@ import logging
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from concurrent.futures import Executor, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 from agl.agents.api import LLM, RolloutContext, call_agent
 from agl.config import NO_API_KEY
 from agl.errors import DiskFull
 from agl.store import SessionEnded, StoreUnreachable
 from agl.types import AttemptedRollout, AttemptStatus, Span
+
+if TYPE_CHECKING:
+    from agl.store import SqliteStore, StoreClient
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +71,7 @@ class Runner:
 
     def __init__(
         self,
-        store: Any,
+        store: SqliteStore | StoreClient,
         agent: Callable,
         llm_endpoint: Callable[[str, str], str],
         model_name: str,
@@ -78,7 +81,7 @@ class Runner:
         worker_id: str = "runner-0",
         poll_interval: float = 0.02,
         heartbeat_interval: float = 5.0,
-        executor: Any = None,
+        executor: Executor | None = None,
         route_alive: Callable[[], Awaitable[bool]] | None = None,
     ):
         self.store = store

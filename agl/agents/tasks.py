@@ -14,7 +14,7 @@ import inspect
 import json
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +95,7 @@ def demonstrations_loader(spec: Any) -> Callable[..., list[list[dict]]] | None:
     return lambda split, **kwargs: call_with_accepted(fn, split, **kwargs)
 
 
-def load_task(task: Any) -> Task:
+def load_task(task: TaskConfig | Mapping[str, Any]) -> Task:
     """The task ``task`` (a ``TaskConfig``, or any mapping of its keys) describes: its agent and loaders imported."""
     task = typed(TaskConfig, task)
     for key in ("agent", "data"):

@@ -53,11 +53,16 @@ import shutil
 import tempfile
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from agl.config import EvalCacheConfig, typed
+from agl.config import EvalCacheConfig
 from agl.errors import ConfigError
 from agl.policy.weights import MANIFEST, file_sha256
+
+if TYPE_CHECKING:
+    import torch
+
+    from agl.runtime import Runtime
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +128,7 @@ def adds_nothing(state: Mapping[str, Any]) -> bool:
     return all(any(not bool(t.any()) for t in tensors) for tensors in pairs.values())
 
 
-def adapter_digest(model: Any) -> str | None:
+def adapter_digest(model: torch.nn.Module) -> str | None:
     """The LoRA's identity: None when it adds nothing (``adds_nothing``), else the sha256 of its weights and of
     the settings that scale them (r, alpha, rsLoRA, DoRA, the target modules)."""
     import torch
@@ -188,7 +193,7 @@ def device_numerics(device: Any) -> str:
     return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
 
 
-def eval_components(rt: Any, resources: Mapping[str, Any], sampling: Mapping[str, Any]) -> dict:
+def eval_components(rt: Runtime, resources: Mapping[str, Any], sampling: Mapping[str, Any]) -> dict:
     """The key of the eval ``rt`` (an ``agl.runtime.Runtime``) runs with ``resources`` and ``sampling`` now."""
     policy, model, engine = rt.policy, rt.model_config, rt.engine_config
     return {
@@ -224,7 +229,7 @@ class EvalCache:
     """``eval_cache.*``: where entries live and which rows may be reused."""
 
     def __init__(self, config: EvalCacheConfig | None = None):
-        config = typed(EvalCacheConfig, config or EvalCacheConfig())
+        config = config or EvalCacheConfig()
         if config.reuse not in REUSE:
             raise ConfigError(f"eval_cache.reuse must be one of {', '.join(REUSE)}, not {config.reuse!r}")
         self.root, self.reuse = cache_root(config.dir), config.reuse

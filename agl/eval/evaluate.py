@@ -14,7 +14,7 @@ import functools
 import random
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agl.agents.api import METRIC_SPAN, final_reward
 from agl.eval.cache import EXACT, SAMPLE, CacheEntry, EvalCache, eval_components, row_key
@@ -22,14 +22,18 @@ from agl.eval.failures import check_rollouts
 from agl.eval.stats import is_binary, paired_change, rate_with_interval
 from agl.types import Rollout, RolloutStatus
 
+if TYPE_CHECKING:
+    from agl.runtime import Runtime
+    from agl.store import SqliteStore, StoreClient
 
-async def rollout_scores(store: Any, rollouts: Sequence[Rollout]) -> list[dict]:
+
+async def rollout_scores(store: SqliteStore | StoreClient, rollouts: Sequence[Rollout]) -> list[dict]:
     """One row per rollout: its status, final reward and metrics (from its latest attempt's spans, or, for a
     row the eval cache supplied, from its metadata's ``cached``; then the row says which kind it is)."""
     return [(await _score_and_reply(store, rollout))[0] for rollout in rollouts]
 
 
-async def _score_and_reply(store: Any, rollout: Rollout) -> tuple[dict, str | None]:
+async def _score_and_reply(store: SqliteStore | StoreClient, rollout: Rollout) -> tuple[dict, str | None]:
     """A rollout's score row, and the policy's last reply in it (what the eval cache keeps for report.md)."""
     metadata = rollout.metadata or {}
     row: dict[str, Any] = {
@@ -153,7 +157,7 @@ def sampling_of(algo: Any) -> dict:
 
 
 async def evaluate_rows(
-    rt: Any,
+    rt: Runtime,
     rows: Sequence[dict],
     *,
     resources: dict,
@@ -243,7 +247,7 @@ def describe_cached(counts: dict[str, int], total: int) -> str:
     return f"{sum(counts.values())} of {total} rows from the eval cache: " + ", ".join(parts)
 
 
-def cached_row_count(rt: Any, rows: Sequence[dict], resources: dict, sampling: dict, split: str | None) -> int:
+def cached_row_count(rt: Runtime, rows: Sequence[dict], resources: dict, sampling: dict, split: str | None) -> int:
     """How many of ``rows`` (one try each) the eval cache holds for this eval now (unchecked: a plan's estimate)."""
     entry = _cache_entry(rt, resources, sampling, split)
     if entry is None or not entry.readable:
@@ -251,7 +255,7 @@ def cached_row_count(rt: Any, rows: Sequence[dict], resources: dict, sampling: d
     return sum(entry.row_path(row_key(split, row, 0)).is_file() for row in rows)
 
 
-def _cache_entry(rt: Any, resources: dict, sampling: dict, split: str | None) -> CacheEntry | None:
+def _cache_entry(rt: Runtime, resources: dict, sampling: dict, split: str | None) -> CacheEntry | None:
     """The eval cache's entry for this eval, or None: no split given, ``eval_cache.reuse=off``, or sampled."""
     config = getattr(rt, "eval_cache_config", None)
     if split is None or config is None or float(sampling.get("temperature", 0.0)) > 0:
@@ -260,7 +264,9 @@ def _cache_entry(rt: Any, resources: dict, sampling: dict, split: str | None) ->
     return cache.entry(eval_components(rt, resources, sampling)) if cache.enabled else None
 
 
-async def _keep_rows(store: Any, entry: CacheEntry, split: str | None, ended: Sequence[Rollout]) -> None:
+async def _keep_rows(
+    store: SqliteStore | StoreClient, entry: CacheEntry, split: str | None, ended: Sequence[Rollout]
+) -> None:
     """Write the rows of the rollouts that just succeeded (not the cache's own) into the entry."""
     for rollout in ended:
         metadata = rollout.metadata or {}
@@ -273,7 +279,7 @@ async def _keep_rows(store: Any, entry: CacheEntry, split: str | None, ended: Se
 
 
 async def evaluate(
-    rt: Any,
+    rt: Runtime,
     rows: Sequence[dict],
     *,
     resources: dict,
@@ -292,7 +298,7 @@ async def evaluate(
 
 
 async def eval_during_training(
-    rt: Any, rows: Sequence[dict], step: int, max_tokens: int, slice_size: int = 0, rl_from: int | None = None
+    rt: Runtime, rows: Sequence[dict], step: int, max_tokens: int, slice_size: int = 0, rl_from: int | None = None
 ) -> dict[str, float]:
     """The GRPO and SFT trainers' greedy evaluation after ``step`` updates (replies of at most ``max_tokens``,
     the task's prompt), as ``eval/`` metrics.
@@ -331,7 +337,7 @@ async def eval_during_training(
     return metrics
 
 
-async def _scores_at(store: Any, step: int) -> list[dict] | None:
+async def _scores_at(store: SqliteStore | StoreClient, step: int) -> list[dict] | None:
     """The score rows of the training eval after ``step`` updates, or None when there was none."""
     rollouts = await store.query_rollouts(metadata={"eval_step": step})
     return await rollout_scores(store, rollouts) if rollouts else None

@@ -16,9 +16,12 @@ import collections
 import dataclasses
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from agl.types import Rollout, RolloutStatus
+
+if TYPE_CHECKING:
+    from agl.store import SqliteStore, StoreClient
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +62,7 @@ def most_common(errors: Sequence[str]) -> tuple[str | None, int]:
     return max(counts.items(), key=lambda item: item[1], default=(None, 0))
 
 
-async def rollout_failures(store: Any, statuses: Mapping[str, str]) -> Failures:
+async def rollout_failures(store: SqliteStore | StoreClient, statuses: Mapping[str, str]) -> Failures:
     """``statuses``: {rollout_id: final status}. Reads the failed ones' latest attempts."""
     failed = [rollout_id for rollout_id, status in statuses.items() if status != RolloutStatus.SUCCEEDED]
     errors = []
@@ -70,7 +73,7 @@ async def rollout_failures(store: Any, statuses: Mapping[str, str]) -> Failures:
     return Failures(len(statuses), len(failed), error, count)
 
 
-async def check_rollouts(store: Any, rollouts: Sequence[Rollout], what: str) -> Failures:
+async def check_rollouts(store: SqliteStore | StoreClient, rollouts: Sequence[Rollout], what: str) -> Failures:
     """Raise ``RolloutsFailed`` when every one of ``rollouts`` failed; log when some did."""
     failures = await rollout_failures(store, {r.rollout_id: str(r.status) for r in rollouts})
     if failures.total and failures.failed == failures.total:

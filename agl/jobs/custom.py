@@ -53,7 +53,7 @@ from pydantic_core import to_jsonable_python
 
 from agl.agents.api import LLM
 from agl.agents.tasks import import_object
-from agl.config import Config, CustomConfig, client_api_key, plain, typed
+from agl.config import Config, CustomConfig, client_api_key, plain
 from agl.errors import ConfigError
 from agl.eval.evaluate import sampling_of, split_rows
 from agl.runtime import Runtime
@@ -76,9 +76,8 @@ PROVIDED: dict[str, Callable[[Runtime], Any]] = {
 }
 
 
-def load_algorithm(algo: Any) -> tuple[Callable, list[str]]:
+def load_algorithm(algo: CustomConfig) -> tuple[Callable, list[str]]:
     """``algo.fn`` -> the function and the names in ``PROVIDED`` it takes (see the module docstring)."""
-    algo = typed(CustomConfig, algo)
     if not algo.fn:
         raise ConfigError(
             'algo=custom needs algo.fn=module:function, an async function (see docs/algorithms.md "Your own algorithm")'
@@ -143,7 +142,7 @@ def typed_args(fn: Callable, args: dict[str, Any]) -> dict[str, Any]:
 
 
 async def run_custom(config: Config, run_dir: Path) -> Any:
-    algo = typed(CustomConfig, config.algo)
+    algo: CustomConfig = config.algo
     fn, provided = load_algorithm(algo)
     args = typed_args(fn, plain(algo.args))
     runtime = CustomRuntime.of(config, run_dir)

@@ -14,7 +14,7 @@ import json
 import logging
 from pathlib import Path
 
-from agl.config import Config, EvalConfig, ModelConfig, typed
+from agl.config import Config, EvalConfig, ModelConfig
 from agl.errors import ConfigError
 from agl.eval.evaluate import (
     cached_rows,
@@ -41,7 +41,7 @@ def adapter_label(model: ModelConfig) -> str:
 
 
 async def run_eval(config: Config, run_dir: Path) -> dict:
-    algo = typed(EvalConfig, config.algo)
+    algo: EvalConfig = config.algo
     if algo.k < 1:
         raise ConfigError(f"algo.k must be >= 1, got {algo.k}")
     if algo.k > 1 and algo.temperature == 0:

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from agl.config import Config, ExportConfig, typed
+from agl.config import Config, ExportConfig
 from agl.errors import ConfigError
 from agl.jobs.gguf import check_gguf_support, write_gguf
 from agl.policy.load import DTYPES
@@ -51,7 +51,8 @@ from agl.policy.weights import resolve_model_path
 
 
 def run_export(config: Config, run_dir: Path) -> dict:
-    settings, algo = config.model, typed(ExportConfig, config.algo)
+    settings = config.model
+    algo: ExportConfig = config.algo
     if not settings.adapter:
         raise ConfigError("algo=export needs model.adapter=<run dir or adapter dir>: the LoRA to merge")
     adapter_dir = find_adapter_dir(settings.adapter)
@@ -99,7 +100,7 @@ def merged_model(base: str, adapter_dir: Path, dtype: torch.dtype) -> tuple[Any,
     return merged.to(dtype), AutoTokenizer.from_pretrained(base)
 
 
-def merge_tied_lora_once(model: Any) -> None:
+def merge_tied_lora_once(model: torch.nn.Module) -> None:
     """With tied embeddings, agl's LoRA on the vocabulary matrix (``model.lora.train_embeddings`` or
     ``train_head``, see ``agl.policy.lora.lora_config``) is one LoRA seen by both roles, the input
     embeddings and the output layer. peft would merge it into that one shared matrix twice, once

@@ -33,7 +33,6 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -73,7 +72,7 @@ def usable_cores() -> int:
 # ----------------------------------------------------------------------------- threads
 
 
-def sweep_batch_size(hydra_cfg: Any) -> int | None:
+def sweep_batch_size(hydra_cfg: DictConfig) -> int | None:
     """Jobs in the largest batch of this sweep (Hydra's basic sweeper), from ``multirun.yaml``; None if unknown."""
     if OmegaConf.select(hydra_cfg, "sweeper._target_") != BASIC_SWEEPER:
         return None
@@ -96,7 +95,7 @@ def sweep_batch_size(hydra_cfg: Any) -> int | None:
     return max((len(b) for b in batches), default=None)
 
 
-def jobs_at_once(hydra_cfg: Any, cores: int, batch: int | None) -> tuple[int, str]:
+def jobs_at_once(hydra_cfg: DictConfig, cores: int, batch: int | None) -> tuple[int, str]:
     """How many jobs the launcher runs at once on this process's cores, and why."""
     launcher = hydra_cfg.launcher
     target = launcher.get("_target_")
@@ -117,7 +116,7 @@ def jobs_at_once(hydra_cfg: Any, cores: int, batch: int | None) -> tuple[int, st
 
 
 def auto_threads(
-    hydra_cfg: Any | None, cores: int, user_omp: str | None = None, batch: int | None = None
+    hydra_cfg: DictConfig | None, cores: int, user_omp: str | None = None, batch: int | None = None
 ) -> tuple[int, str]:
     """``threads: null``: (threads per job, why). ``hydra_cfg`` is a multirun job's Hydra config, else None."""
     at_once, why = (1, "one job") if hydra_cfg is None else jobs_at_once(hydra_cfg, cores, batch)
@@ -134,7 +133,7 @@ def auto_threads(
     return threads, why
 
 
-def thread_count(cfg: DictConfig, hydra_cfg: Any | None) -> tuple[int, str]:
+def thread_count(cfg: DictConfig, hydra_cfg: DictConfig | None) -> tuple[int, str]:
     """The ``threads`` setting made a number (see the module docstring); ConfigError for a bad one."""
     setting = cfg.get("threads")
     if setting is None:
@@ -145,7 +144,7 @@ def thread_count(cfg: DictConfig, hydra_cfg: Any | None) -> tuple[int, str]:
     return setting, "threads setting"
 
 
-def apply_threads(cfg: DictConfig, hydra_cfg: Any | None, loads_torch: bool = True) -> int:
+def apply_threads(cfg: DictConfig, hydra_cfg: DictConfig | None, loads_torch: bool = True) -> int:
     """Limit this job's torch threads, and its child processes' OpenMP/BLAS threads; the count.
 
     ``loads_torch=False`` (a runner process: agents and HTTP calls) leaves torch unimported, which would cost

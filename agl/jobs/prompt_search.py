@@ -20,7 +20,7 @@ import asyncio
 import json
 from pathlib import Path
 
-from agl.config import Config, PromptSearchConfig, typed
+from agl.config import Config, PromptSearchConfig
 from agl.errors import ConfigError
 from agl.eval.evaluate import evaluate_rows, sampling_of, split_rows, summarize
 from agl.eval.stats import bootstrap_ci, mean_ci
@@ -55,7 +55,7 @@ def rank(scores_by_candidate: dict[str, list[dict]], *, resamples: int = 2000, s
 
 
 async def run_prompt_search(config: Config, run_dir: Path) -> dict:
-    algo = typed(PromptSearchConfig, config.algo)
+    algo: PromptSearchConfig = config.algo
     async with Runtime.of(config, run_dir) as rt:
         prompts = rt.task.prompts
         candidates = list(algo.candidates) if algo.candidates else list(prompts)

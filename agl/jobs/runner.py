@@ -7,9 +7,9 @@ import asyncio
 from pathlib import Path
 
 from agl.agents.attach import attach
-from agl.config import Config, RunnerJobConfig, typed
+from agl.config import Config, RunnerJobConfig
 
 
 def run(config: Config, run_dir: Path) -> dict:
-    algo = typed(RunnerJobConfig, config.algo)
+    algo: RunnerJobConfig = config.algo
     return asyncio.run(attach(config.attach, config.runner, config.store, route_url=algo.route_url))

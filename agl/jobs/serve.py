@@ -30,7 +30,7 @@ import threading
 from pathlib import Path
 
 from agl.agents.attach import RUNNERS_KEY, runner_entry
-from agl.config import Config, ServeConfig, client_api_key, typed
+from agl.config import Config, client_api_key
 from agl.errors import ConfigError
 from agl.policy.engine import Engine
 from agl.policy.load import load_policy
@@ -54,7 +54,7 @@ async def run_serve(config: Config, run_dir: Path) -> dict:
             parts.callback(loop.remove_signal_handler, sig)
         if config.store.url:  # a store served elsewhere (algo=store): calls and rollouts are recorded there
             store = await parts.enter_async_context(StoreClient(config.store.url, config.store.api_key))
-        elif typed(ServeConfig, config.algo).record:
+        elif config.algo.record:  # a ServeConfig
             store = await parts.enter_async_context(SqliteStore(run_dir / "store.sqlite"))
         else:
             store = None

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from agl.policy.sampler_weights import DenseLinear
+from agl.policy.sampler_weights import DenseLinear, MergedSampler
 
 SUPPORTED = ("llama", "qwen2")  # Qwen2: the same step with biased q/k/v projections (DenseLinear keeps them)
 STATIC_ROPE = ("default", "linear", "llama3")  # inv_freq fixed at load time
@@ -240,7 +240,7 @@ class LlamaDecodeStep:
     ``quantized_rows`` rows runs the NF4 base plus the LoRA (``Nf4Projection``) where the sampler
     computes in bf16 on a CPU and its base is NF4; elsewhere, and for more rows, the dense weights."""
 
-    def __init__(self, sampler: Any, quantized_rows: int = 0):
+    def __init__(self, sampler: MergedSampler, quantized_rows: int = 0):
         self.sampler = sampler
         self._first: nn.Module | None = None  # the q projection the stacks were built from
         self._layers: list[tuple] = []
@@ -359,7 +359,7 @@ class LlamaDecodeStep:
         return head(x).float().cpu()  # a LoRA head, or hooks on it (tests force tokens with one): the module itself
 
 
-def _nf4_applies(sampler: Any) -> bool:
+def _nf4_applies(sampler: MergedSampler) -> bool:
     """Whether the NF4 path may run: a bf16 sampler on a CPU whose bitsandbytes has its 4-bit CPU kernel."""
     if sampler.compute_dtype != torch.bfloat16 or next(sampler.source.parameters()).device.type != "cpu":
         return False
@@ -371,7 +371,7 @@ def _nf4_applies(sampler: Any) -> bool:
     return bool(has_avx512bf16()) and hasattr(torch.ops.bitsandbytes, "gemv_4bit")
 
 
-def decode_step(sampler: Any, quantized_rows: int = 0) -> LlamaDecodeStep | None:
+def decode_step(sampler: MergedSampler | None, quantized_rows: int = 0) -> LlamaDecodeStep | None:
     """The lean decode step for ``sampler``'s model, or None where it does not apply. Looks at
     the model's structure only: the merge itself still happens at the first forward pass.
     ``quantized_rows``: steps of at most this many rows read the NF4 base (``LlamaDecodeStep``)."""

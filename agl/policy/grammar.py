@@ -29,12 +29,15 @@ import functools
 import json
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import llguidance
 import llguidance.hf
 import llguidance.torch
 import torch
+
+if TYPE_CHECKING:
+    from agl.policy.load import Policy
 
 # Whitespace in the JSON a grammar allows: at most one space where JSON allows whitespace, so both
 # json.dumps' style ({"a": 1, "b": 2}) and the compact one ({"a":1,"b":2}) are the model's to choose,
@@ -94,7 +97,7 @@ def grammar_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[i
     return cached[key]
 
 
-def policy_grammar_tokenizer(policy: Any) -> llguidance.LLTokenizer:
+def policy_grammar_tokenizer(policy: Policy) -> llguidance.LLTokenizer:
     """``grammar_tokenizer`` for a ``Policy``: its tokenizer, the model's vocabulary width, its eos ids."""
     vocab = int(policy.model.config.vocab_size)
     return grammar_tokenizer(policy.tokenizer, vocab, policy.eos_token_ids)

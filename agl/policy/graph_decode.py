@@ -23,12 +23,15 @@ gives the tokens of agl.policy.decode's step. The captured path is tested on the
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.nn import functional as F
 
 from agl.policy.decode import LlamaDecodeStep, _linear, _rms_norm, _rotate, decode_step
+
+if TYPE_CHECKING:
+    from agl.policy.sampler_weights import MergedSampler
 
 MIN_COLUMNS = 64
 
@@ -61,7 +64,7 @@ class GraphDecodeStep(LlamaDecodeStep):
 
     max_graphs = 32  # captured shapes kept (the oldest dropped first)
 
-    def __init__(self, sampler: Any, capture: bool | None = None):
+    def __init__(self, sampler: MergedSampler, capture: bool | None = None):
         super().__init__(sampler)
         self.capture = capture
         self._graphs: dict[tuple, _Graph] = {}
@@ -176,7 +179,7 @@ class GraphDecodeStep(LlamaDecodeStep):
         return head(x).float()
 
 
-def graph_decode_step(sampler: Any, capture: bool | None = None) -> GraphDecodeStep | None:
+def graph_decode_step(sampler: MergedSampler | None, capture: bool | None = None) -> GraphDecodeStep | None:
     """The static-shape step for ``sampler``'s model where agl.policy.decode's step applies, else None."""
     if decode_step(sampler) is None:
         return None

@@ -10,8 +10,9 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -19,6 +20,9 @@ from safetensors import SafetensorError, safe_open
 from agl.config import LoraConfig as LoraSection
 from agl.config import typed
 from agl.errors import ConfigError
+
+if TYPE_CHECKING:
+    import peft
 
 
 def find_adapter_dir(adapter: str) -> Path:
@@ -63,7 +67,7 @@ def check_adapter_files(adapter_dir: Path) -> None:
 # ----------------------------------------------------------------------------- what the LoRA trains
 
 
-def lora_config(lora: Any, base: torch.nn.Module) -> Any:
+def lora_config(lora: LoraSection | Mapping[str, Any], base: torch.nn.Module) -> peft.LoraConfig:
     """The peft ``LoraConfig`` for ``model.lora``.
 
     ``target_modules`` picks linear layers (``all-linear``: every one but the output layer).
@@ -139,7 +143,7 @@ def with_targets(target: Any, extra: list[str], base: torch.nn.Module) -> Any:
     return list(target) + extra
 
 
-def tied_lora_aliases(model: Any) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+def tied_lora_aliases(model: torch.nn.Module) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
     """(alias, owner) pairs of a LoRA shared by tied embeddings.
 
     peft ties the output layer's LoRA to the input embeddings' (``ensure_weight_tying``) by making
@@ -160,7 +164,7 @@ def tied_lora_aliases(model: Any) -> list[tuple[torch.nn.Parameter, torch.nn.Par
     return pairs
 
 
-def check_vocabulary_tie(model: Any, lora: Any) -> None:
+def check_vocabulary_tie(model: torch.nn.Module, lora: LoraSection) -> None:
     """Fail when tied embeddings were asked to train but peft did not share one LoRA between them."""
     import peft
 
@@ -173,7 +177,7 @@ def check_vocabulary_tie(model: Any, lora: Any) -> None:
         )
 
 
-def train_in_fp32(model: Any) -> None:
+def train_in_fp32(model: torch.nn.Module) -> None:
     """LoRA weights train in fp32 even when compute is bf16.
 
     Upcasting copies each parameter on its own (peft's autocast of a bf16 adapter does too), which
@@ -186,7 +190,7 @@ def train_in_fp32(model: Any) -> None:
         alias.data = owner.data.t()
 
 
-def fold_tied_gradients(model: Any) -> None:
+def fold_tied_gradients(model: torch.nn.Module) -> None:
     """Train a tied LoRA as one matrix: each alias's gradient is added to its owner's.
 
     The optimizer then steps each tied matrix once, with the summed gradient of both roles, as

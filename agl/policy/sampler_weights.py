@@ -27,10 +27,13 @@ any caller having to remember to.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 
 class DenseLinear(nn.Module):
@@ -107,7 +110,7 @@ class MergedSampler:
     the trainer never needs to pause it.
     """
 
-    def __init__(self, peft_model: Any, compute_dtype: torch.dtype, lora: bool = True):
+    def __init__(self, peft_model: PeftModel, compute_dtype: torch.dtype, lora: bool = True):
         self.source = peft_model.get_base_model()  # the HF model with LoRA layers injected
         self.compute_dtype = compute_dtype
         self.lora = lora

@@ -26,11 +26,14 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agl.report.plots import draw_panels, read_metrics
 from agl.report.status import STATUS_FILE, effective_status, read_status
 from agl.report.tables import RL, fmt, is_derived, markdown_table, vs_base, with_interval
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 EXCLUDED_KEYS = ("resume", "report", "device", "progress", "threads", "logger")  # do not change what a job computes
 SWEEP_PANELS = [("reward", ["reward_mean"]), ("eval", ["eval/reward"])]
@@ -260,11 +263,11 @@ class SweepSummary(Callback):
     def __init__(self) -> None:
         self._unfinished: Path | None = None
 
-    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._unfinished = Path(str(config.hydra.sweep.dir))
         atexit.register(self._after_abort)
 
-    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._unfinished = None
         sweep_dir = Path(str(config.hydra.sweep.dir))
         if sweep_dir.is_dir():

@@ -50,6 +50,7 @@ from agl.store import charged_attempt_number, is_harness_ended
 if TYPE_CHECKING:
     from agl.policy.engine import Engine
     from agl.policy.load import Policy
+    from agl.store import SqliteStore, StoreClient
 
 FINISHED_ATTEMPT_STATUSES = ("succeeded", "failed", "timeout")  # an "unresponsive" attempt may come back
 
@@ -75,7 +76,7 @@ class ChatPath:
         self,
         engine: Engine,
         policy: Policy,
-        store: Any,
+        store: SqliteStore | StoreClient | None,
         recorder: Recorder,
         *,
         frozen: Mapping[str, Engine],

@@ -22,7 +22,7 @@ import dataclasses
 import secrets
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agl.config import ServerConfig
 from agl.errors import DiskFull
@@ -33,6 +33,10 @@ from agl.route.rendering import History, Turn, decode
 from agl.route.requests import ChatCompletionRequest, CompletionRequest, disk_full
 from agl.route.tool_calls import ToolCallParser
 from agl.types import Span
+
+if TYPE_CHECKING:
+    from agl.policy.load import Policy
+    from agl.store import SqliteStore, StoreClient
 
 
 @dataclasses.dataclass
@@ -77,8 +81,8 @@ class Recorder:
 
     def __init__(
         self,
-        store: Any,
-        policy: Any,
+        store: SqliteStore | StoreClient | None,
+        policy: Policy,
         record_unscoped: bool = False,
         frozen_names: Sequence[str] = (),
         history: History | None = None,

@@ -14,11 +14,14 @@ from __future__ import annotations
 import collections
 import dataclasses
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from agl.config import ServerConfig
 from agl.route.requests import Message
 from agl.route.tool_calls import json_or_str
+
+if TYPE_CHECKING:
+    from agl.policy.load import Policy
 
 DECODE = {"skip_special_tokens": False, "clean_up_tokenization_spaces": False}
 
@@ -117,7 +120,7 @@ class History:
         return key in self._attempts
 
 
-def render_prompt(policy: Any, messages: list[dict], tools: list[dict] | None, turns: Sequence[Turn] = ()) -> Prompt:
+def render_prompt(policy: Policy, messages: list[dict], tools: list[dict] | None, turns: Sequence[Turn] = ()) -> Prompt:
     """Prompt ids for ``messages``, extending the earlier turn that covers most of it exactly.
 
     Without a matching turn this is ``policy.render_chat`` from scratch. Template errors

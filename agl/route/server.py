@@ -78,7 +78,7 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -99,6 +99,11 @@ from agl.route.responses_endpoint import ResponsesEndpoint
 from agl.route.streaming import ClientGone, interleaved, sse_line, unless_disconnected
 from agl.store.server import Embedded, listening_socket
 
+if TYPE_CHECKING:
+    from agl.policy.engine import Engine
+    from agl.policy.load import Policy
+    from agl.store import SqliteStore, StoreClient
+
 log = logging.getLogger(__name__)
 
 
@@ -115,14 +120,14 @@ class ModelServer:
 
     def __init__(
         self,
-        engine: Any,
-        policy: Any,
-        store: Any = None,
-        config: Any = None,
+        engine: Engine,
+        policy: Policy,
+        store: SqliteStore | StoreClient | None = None,
+        config: ServerConfig | Mapping[str, Any] | None = None,
         *,
         seed: int = 0,
         model_names: Sequence[str] = (),
-        frozen: Mapping[str, Any] | None = None,
+        frozen: Mapping[str, Engine] | None = None,
         record_unscoped: bool = False,
     ):
         config = typed(

@@ -43,7 +43,7 @@ import contextlib
 import logging
 import secrets
 import socket
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from pydantic import BaseModel, ValidationError
@@ -58,6 +58,9 @@ from agl.store.api import KEEPALIVE_S, MAX_WAIT_S, SESSION_HEADER, Method, metho
 from agl.store.db import ReadOnlyStoreError
 from agl.store.sessions import SessionEnded
 from agl.store.store import SqliteStore
+
+if TYPE_CHECKING:
+    from agl.config import StoreConfig
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +133,7 @@ class Embedded:
     def running(self) -> bool:
         return self._task is not None
 
-    async def start(self, app: Any, sock: socket.socket, **options: Any) -> None:
+    async def start(self, app: Starlette, sock: socket.socket, **options: Any) -> None:
         """Serve ``app`` on ``sock`` (uvicorn's ``options`` beside the defaults); return once it serves."""
         config = uvicorn.Config(
             app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5, **options
@@ -187,7 +190,7 @@ class StoreServer:
         self._serving = Embedded("agl-store-server")
 
     @classmethod
-    def of(cls, store: SqliteStore, settings: Any) -> StoreServer:
+    def of(cls, store: SqliteStore, settings: StoreConfig) -> StoreServer:
         """The server ``store.*`` (``agl.config.StoreConfig``) describes, of ``store``."""
         return cls(
             store,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from agl.errors import ConfigError
 
 
-def decoder_layers(model: Any) -> torch.nn.ModuleList:
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The policy's decoder layers (``get_decoder().layers`` of the HF model under the LoRA)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     layers = getattr(base.get_decoder(), "layers", None)
@@ -36,7 +36,7 @@ def decoder_layers(model: Any) -> torch.nn.ModuleList:
     return layers
 
 
-def _checkpointed(layer: torch.nn.Module, forward: Any) -> Any:
+def _checkpointed(layer: torch.nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
     index = getattr(getattr(layer, "self_attn", None), "layer_idx", None)
 
     def run(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -66,7 +66,7 @@ def _checkpointed(layer: torch.nn.Module, forward: Any) -> Any:
 
 
 @contextlib.contextmanager
-def checkpointed_layers(model: Any, enabled: bool = True) -> Iterator[None]:
+def checkpointed_layers(model: torch.nn.Module, enabled: bool = True) -> Iterator[None]:
     """Within: every decoder layer of ``model`` runs checkpointed when gradients are on (``enabled``)."""
     if not enabled:
         yield

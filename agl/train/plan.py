@@ -26,12 +26,15 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm.auto import tqdm
 
 from agl.policy.engine import SamplingParams
+
+if TYPE_CHECKING:
+    from agl.runtime import Runtime
 
 PROBE_DECODE_STEPS = 8  # decode steps timed after the prefill's
 PROBE_LONE_PREFILLS = 3  # prompts prefilled alone, one after another
@@ -82,7 +85,7 @@ def _cycled(ids: Sequence[int], length: int) -> list[int]:
 
 
 async def measure_rates(
-    rt: Any,
+    rt: Runtime,
     prompt_ids: Sequence[int],
     batch: int,
     max_tokens: int,
@@ -157,7 +160,7 @@ async def measure_rates(
     )
 
 
-def probe_prompt(rt: Any, rows: Sequence[dict], prompt: str) -> list[int]:
+def probe_prompt(rt: Runtime, rows: Sequence[dict], prompt: str) -> list[int]:
     """Token ids of a prompt like the job's: its first eval row through the task's template where the row
     fills it, else the template alone."""
     template = rt.task.resources_for(prompt).get("prompt_template") or "{question}"
@@ -197,7 +200,7 @@ class Phase:
 class JobPlan:
     """A job's phases: printed with their estimates at the start, one line each as they end."""
 
-    def __init__(self, phases: Sequence[Phase], rates: Rates | None, echo: Any = None):
+    def __init__(self, phases: Sequence[Phase], rates: Rates | None, echo: Callable[[str], object] | None = None):
         self.phases = [p for p in phases if p.units > 0]
         self.rates = rates
         self.echo = echo or tqdm.write  # under the progress bars, not through them

@@ -13,7 +13,7 @@ import io
 import pickle
 import random
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from peft import get_peft_model_state_dict, set_peft_model_state_dict
@@ -23,6 +23,10 @@ from safetensors.torch import save as save_safetensors
 from agl.errors import ConfigError
 from agl.report.metrics import append_metrics, draw_curves, metrics_path, rewrite_metrics
 from agl.types import Checkpoint
+
+if TYPE_CHECKING:
+    from agl.policy.load import Policy
+    from agl.runtime import Runtime
 
 
 class TaskCursor:
@@ -54,7 +58,7 @@ class TaskCursor:
         return {"epoch": self.epoch, "position": self.position}
 
 
-def adapter_bytes(policy: Any) -> bytes:
+def adapter_bytes(policy: Policy) -> bytes:
     """The LoRA's weights as safetensors bytes; never the base vocabulary matrices (they do not train)."""
     state = {
         k: v.detach().cpu().contiguous()
@@ -63,7 +67,7 @@ def adapter_bytes(policy: Any) -> bytes:
     return save_safetensors(state)
 
 
-def load_adapter_bytes(policy: Any, blob: bytes) -> None:
+def load_adapter_bytes(policy: Policy, blob: bytes) -> None:
     set_peft_model_state_dict(policy.model, load_safetensors(blob))
 
 
@@ -73,7 +77,7 @@ def torch_bytes(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
-async def save_checkpoint(rt: Any, step: int, state: dict, optimizer: torch.optim.Optimizer, metrics: dict) -> None:
+async def save_checkpoint(rt: Runtime, step: int, state: dict, optimizer: torch.optim.Optimizer, metrics: dict) -> None:
     """Everything to resume after ``step``, in one store transaction.
 
     ``state`` is the trainer's own (JSON: cursors, stage); ``optimizer`` is the one that took this step.
@@ -92,7 +96,7 @@ async def save_checkpoint(rt: Any, step: int, state: dict, optimizer: torch.opti
     )
 
 
-async def resume_or_start(rt: Any, optimizer_for: Callable[[dict], torch.optim.Optimizer]) -> Checkpoint | None:
+async def resume_or_start(rt: Runtime, optimizer_for: Callable[[dict], torch.optim.Optimizer]) -> Checkpoint | None:
     """The run's state at the start of a job: the last checkpoint restored (``restore_checkpoint``)
     and metrics.jsonl rewritten from the store; or, for a fresh run (or one killed before its first
     checkpoint, whose baseline is about to be redone), its config recorded and an empty metrics
@@ -109,7 +113,9 @@ async def resume_or_start(rt: Any, optimizer_for: Callable[[dict], torch.optim.O
     return checkpoint
 
 
-def restore_checkpoint(rt: Any, checkpoint: Checkpoint, optimizer_for: Callable[[dict], torch.optim.Optimizer]) -> None:
+def restore_checkpoint(
+    rt: Runtime, checkpoint: Checkpoint, optimizer_for: Callable[[dict], torch.optim.Optimizer]
+) -> None:
     """Load ``checkpoint`` into the policy, the optimizer and the RNGs (Python's, torch's, the
     engine's). ``optimizer_for(state)`` names the optimizer that saved it: a trainer with stages
     has one per stage (GRPO after an SFT warm-up)."""
@@ -128,7 +134,7 @@ def restore_checkpoint(rt: Any, checkpoint: Checkpoint, optimizer_for: Callable[
 
 
 @contextlib.contextmanager
-def damage_named(rt: Any, checkpoint: Checkpoint, part: str) -> Iterator[None]:
+def damage_named(rt: Runtime, checkpoint: Checkpoint, part: str) -> Iterator[None]:
     """A checkpoint blob that does not load (bytes changed in the file) as one line naming the checkpoint,
     the store and what to do, not the loader's traceback; the store is left as it is."""
     try:
@@ -142,7 +148,7 @@ def damage_named(rt: Any, checkpoint: Checkpoint, part: str) -> Iterator[None]:
         ) from None
 
 
-async def log_baseline(rt: Any, eval_metrics: dict) -> None:
+async def log_baseline(rt: Runtime, eval_metrics: dict) -> None:
     """The evaluation before any update, logged as step -1 (store and metrics.jsonl)."""
     row = {"policy_version": rt.policy.version, **eval_metrics}
     await rt.store.log_metrics(-1, row)
