@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -190,26 +190,25 @@ def dequantized_4bit_layers(model: Any, enabled: bool = True) -> Iterator[None]:
 
     Cost: the layers' dense size in the compute dtype for the block's length (212 MB for SmolLM2-135M in bf16,
     what the sampler's dense copy holds too). A merged LoRA layer (``merged_lora_layers``) keeps its own."""
-    layers = dequantizable_4bit_layers(model) if enabled else []
-    cache: dict = {}  # layer -> its dequantized weight
-    for layer in layers:  # an instance attribute, as in merged_lora_layers
-        layer.forward = functools.partial(_dequantized_forward, layer, cache)
-    try:
-        yield
-    finally:
-        cache.clear()
-        for layer in layers:
-            del layer.forward
+    with _forwards_replaced(dequantizable_4bit_layers(model) if enabled else [], _dequantized_forward):
+        yield  # the cache: layer -> its dequantized weight
 
 
 @contextlib.contextmanager
 def merged_lora_layers(model: Any, enabled: bool = True) -> Iterator[None]:
     """Within: ``model``'s plain LoRA linear layers run as one merged matmul (``enabled``), each merged
     weight built once for the block (see the module's docstring)."""
-    layers = merged_layers(model) if enabled else []
-    cache: dict = {}  # base layer -> (the LoRA's tensors and versions, the merged weight)
-    for layer in layers:  # an instance attribute: the class's forward stays as is
-        layer.forward = functools.partial(_forward, layer, cache)
+    with _forwards_replaced(merged_layers(model) if enabled else [], _forward):
+        yield  # the cache: base layer -> (the LoRA's tensors and versions, the merged weight)
+
+
+@contextlib.contextmanager
+def _forwards_replaced(layers: list[Any], forward: Callable[..., torch.Tensor]) -> Iterator[None]:
+    """Within: each of ``layers`` runs ``forward(layer, cache, x)``, one ``cache`` dict for the block, emptied after.
+    An instance attribute: the class's forward stays as is."""
+    cache: dict = {}
+    for layer in layers:
+        layer.forward = functools.partial(forward, layer, cache)
     try:
         yield
     finally:
