@@ -23,7 +23,7 @@ Reported: medians over rounds of per-round ratios to ``before``. ``--profile ARM
 operators for one step of that arm.
 
     # writes bench/results/update_ab.{md,json}
-    PYTHONPATH=. .venv/bin/python bench/update_ab.py [--rounds 3] [--workloads sums gsm8k] [--profile after]
+    PYTHONPATH=. .venv/bin/python bench/update_ab.py [--rounds 3] [--workloads sums gsm8k] [--profile cache]
 """
 
 from __future__ import annotations

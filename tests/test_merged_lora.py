@@ -73,11 +73,25 @@ def test_a_merged_update_gives_peft_loss_and_gradients(policy, checkpointing):
         torch.testing.assert_close(merged_grads[name], grad, atol=1e-6, rtol=1e-4)
 
 
-@pytest.mark.parametrize("quantization", ["nf4", "fp4"])
-def test_4bit_weights_dequantized_once_give_the_same_bits(tiny_model_cfg, quantization, monkeypatch):
-    """bf16, peft's LoRA: each 4-bit weight dequantized once for the step (dequantized_4bit_layers) gives the
-    loss and the gradients of bitsandbytes' dequantize in every forward, replay and backward, bit for bit."""
-    cfg = OmegaConf.merge(tiny_model_cfg, {"quantization": quantization, "compute_dtype": "bfloat16"})
+SFT_EXAMPLES = [
+    ([1, 9690, 198, 4093, 314, 253, 1345, 2, 77, 78], [0, 0, 0, 0, 1, 1, 1, 1, 1, 1]),
+    ([1, 55, 66, 77, 2], [0, 0, 1, 1, 1]),
+]
+
+
+@pytest.mark.parametrize(
+    "quantization, double_quant, compute_dtype",
+    [("nf4", False, "bfloat16"), ("fp4", False, "bfloat16"), ("nf4", True, "bfloat16"), ("nf4", False, "float32")],
+)
+def test_4bit_weights_dequantized_once_give_the_same_bits(
+    tiny_model_cfg, quantization, double_quant, compute_dtype, monkeypatch
+):
+    """peft's LoRA: each 4-bit weight dequantized once for the step (dequantized_4bit_layers) gives the loss and
+    the gradients of bitsandbytes' dequantize in every forward, replay and backward, bit for bit: a GRPO step
+    (with its reference pass) and an SFT step."""
+    cfg = OmegaConf.merge(
+        tiny_model_cfg, {"quantization": quantization, "double_quant": double_quant, "compute_dtype": compute_dtype}
+    )
     policy = trained_policy(cfg)
     assert policy.dequantize_once  # on a CPU
     layers = dequantizable_4bit_layers(policy.model)
@@ -95,18 +109,30 @@ def test_4bit_weights_dequantized_once_give_the_same_bits(tiny_model_cfg, quanti
     for name, grad in grads.items():
         assert grad.abs().max() > 0 and torch.equal(once_grads[name], grad), name
     assert not any("forward" in layer.__dict__ for layer in layers)  # the step's cache is gone
+    sft = []
+    for once in (False, True):
+        policy.model.zero_grad(set_to_none=True)
+        stats = sft_loss_and_backward(
+            dataclasses.replace(policy, train_merged=False, dequantize_once=once),
+            SFT_EXAMPLES,
+            micro_batch_size=1,
+            gradient_checkpointing=True,
+        )
+        sft.append((stats["loss"], lora_grads(policy)))
+    assert sft[1][0] == sft[0][0]
+    for name, grad in sft[0][1].items():
+        assert grad.abs().max() > 0 and torch.equal(sft[1][1][name], grad), name
 
 
 def test_a_merged_sft_step_gives_peft_loss_and_gradients(policy):
-    examples = [
-        ([1, 9690, 198, 4093, 314, 253, 1345, 2, 77, 78], [0, 0, 0, 0, 1, 1, 1, 1, 1, 1]),
-        ([1, 55, 66, 77, 2], [0, 0, 1, 1, 1]),
-    ]
     results = {}
-    for merged in (False, True):
+    for merged in (False, True):  # peft's side as bitsandbytes runs it: each pass dequantizes
         policy.model.zero_grad(set_to_none=True)
         stats = sft_loss_and_backward(
-            dataclasses.replace(policy, train_merged=merged), examples, micro_batch_size=1, gradient_checkpointing=True
+            dataclasses.replace(policy, train_merged=merged, dequantize_once=False),
+            SFT_EXAMPLES,
+            micro_batch_size=1,
+            gradient_checkpointing=True,
         )
         results[merged] = stats["loss"], lora_grads(policy)
     assert results[True][0] == pytest.approx(results[False][0], rel=1e-6)

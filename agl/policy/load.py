@@ -59,7 +59,8 @@ class Policy:
     source: str = ""  # where the base weights were loaded from (a local dir or a hub id): the eval cache's key
     # an update or SFT step dequantizes each 4-bit weight once and keeps it for the step (agl/train/merged_lora.py's
     # dequantized_4bit_layers): on a CPU, where bitsandbytes' dequantize is a large share of a pass; a GPU keeps
-    # 4-bit's memory saving (its dequantize is a fast kernel)
+    # 4-bit's memory saving (its dequantize is a fast kernel). Not where the LoRA layers run merged: they keep their
+    # own merged weight, and only a reference pass (the adapter off) would fill a second dense copy
     dequantize_once: bool = False
 
     def render_chat(
@@ -135,8 +136,8 @@ def keep_4bit_matmul_differentiable(model: torch.nn.Module) -> None:
 
 def resolve_compute_dtype(name: str, device: torch.device) -> torch.dtype:
     """``auto``: bf16 where the hardware computes it natively (CUDA with bf16, or a CPU with
-    AVX512-BF16/AMX, where a bf16 forward+backward is faster than fp32; measured: BENCHMARKS.md
-    "The compute dtype"), else fp32."""
+    AVX512-BF16/AMX, where a bf16 forward+backward is faster than fp32; measured:
+    docs/benchmarks-history.md#compute-dtype), else fp32."""
     if name != "auto":
         if name not in DTYPES:
             raise ConfigError(f"model.compute_dtype '{name}' is not valid; choose one of: auto, {', '.join(DTYPES)}")
