@@ -79,6 +79,15 @@ SFT_EXAMPLES = [
 ]
 
 
+def sft_grads(policy, **replaced) -> tuple[float, dict]:
+    """(loss, LoRA gradients) of one SFT step over ``SFT_EXAMPLES`` with ``policy``'s fields ``replaced``."""
+    policy.model.zero_grad(set_to_none=True)
+    stats = sft_loss_and_backward(
+        dataclasses.replace(policy, **replaced), SFT_EXAMPLES, micro_batch_size=1, gradient_checkpointing=True
+    )
+    return stats["loss"], lora_grads(policy)
+
+
 @pytest.mark.parametrize(
     "quantization, double_quant, compute_dtype",
     [("nf4", False, "bfloat16"), ("fp4", False, "bfloat16"), ("nf4", True, "bfloat16"), ("nf4", False, "float32")],
@@ -109,32 +118,15 @@ def test_4bit_weights_dequantized_once_give_the_same_bits(
     for name, grad in grads.items():
         assert grad.abs().max() > 0 and torch.equal(once_grads[name], grad), name
     assert not any("forward" in layer.__dict__ for layer in layers)  # the step's cache is gone
-    sft = []
-    for once in (False, True):
-        policy.model.zero_grad(set_to_none=True)
-        stats = sft_loss_and_backward(
-            dataclasses.replace(policy, train_merged=False, dequantize_once=once),
-            SFT_EXAMPLES,
-            micro_batch_size=1,
-            gradient_checkpointing=True,
-        )
-        sft.append((stats["loss"], lora_grads(policy)))
+    sft = [sft_grads(policy, train_merged=False, dequantize_once=once) for once in (False, True)]
     assert sft[1][0] == sft[0][0]
     for name, grad in sft[0][1].items():
         assert grad.abs().max() > 0 and torch.equal(sft[1][1][name], grad), name
 
 
 def test_a_merged_sft_step_gives_peft_loss_and_gradients(policy):
-    results = {}
-    for merged in (False, True):  # peft's side as bitsandbytes runs it: each pass dequantizes
-        policy.model.zero_grad(set_to_none=True)
-        stats = sft_loss_and_backward(
-            dataclasses.replace(policy, train_merged=merged, dequantize_once=False),
-            SFT_EXAMPLES,
-            micro_batch_size=1,
-            gradient_checkpointing=True,
-        )
-        results[merged] = stats["loss"], lora_grads(policy)
+    # peft's side as bitsandbytes runs it: each pass dequantizes
+    results = {merged: sft_grads(policy, train_merged=merged, dequantize_once=False) for merged in (False, True)}
     assert results[True][0] == pytest.approx(results[False][0], rel=1e-6)
     for name, grad in results[False][1].items():
         torch.testing.assert_close(results[True][1][name], grad, atol=1e-6, rtol=1e-4)
