@@ -11,11 +11,10 @@ from agl.config import GRPOConfig
 from agl.errors import ConfigError
 from agl.policy.load import load_policy
 from agl.policy.lora import resolve_train_merged as resolve
-from agl.policy.sampler_weights import dense_linear
+from agl.policy.sampler_weights import base_weight, dense_linear
 from agl.train import merged_lora
 from agl.train.grpo import GRPOUpdate
 from agl.train.merged_lora import (
-    _dequantize_4bit,
     _merged,
     _plain_adapter,
     dequantizable_4bit_layers,
@@ -106,9 +105,7 @@ def test_4bit_weights_dequantized_once_give_the_same_bits(
     layers = dequantizable_4bit_layers(policy.model)
     assert len(layers) == len(merged_layers(policy.model))
     dequantized = []
-    monkeypatch.setattr(
-        merged_lora, "_dequantize_4bit", lambda w, dtype: dequantized.append(w) or _dequantize_4bit(w, dtype)
-    )
+    monkeypatch.setattr(merged_lora, "base_weight", lambda layer: dequantized.append(layer) or base_weight(layer))
     runs = [step_grads(policy, merged=False, dequantize_once=once, gradient_checkpointing=True) for once in (0, 1)]
     assert len(dequantized) == len(layers)  # once each, over the step's 4 passes, replays and backwards
     (metrics, grads), (once_metrics, once_grads) = runs

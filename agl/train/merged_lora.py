@@ -155,22 +155,9 @@ def _dequantized_forward(layer: Any, cache: dict, x: torch.Tensor) -> torch.Tens
     compute dtype, ``grad_x = grad_y @ dequant(W)``) with the dequantized weight kept in ``cache``."""
     weight = cache.get(layer)
     if weight is None:
-        weight = cache[layer] = _dequantize_4bit(layer.weight, layer.compute_dtype or x.dtype)
+        weight = cache[layer] = base_weight(layer).to(layer.compute_dtype or x.dtype)
     bias = None if layer.bias is None else layer.bias.to(weight.dtype)
     return torch.nn.functional.linear(x.to(weight.dtype), weight, bias).to(x.dtype)
-
-
-def _dequantize_4bit(weight: Any, dtype: torch.dtype) -> torch.Tensor:
-    """A ``Params4bit`` as bitsandbytes' forward dequantizes it (``gemm_4bit``'s reference kernel): [out, in]."""
-    import bitsandbytes.functional as bnb_functional
-
-    state = weight.quant_state
-    absmax = state.absmax
-    if state.nested:
-        absmax = bnb_functional.dequantize_blockwise(state.absmax, state.state2) + state.offset
-    return torch.ops.bitsandbytes.dequantize_4bit.default(
-        weight.data.view(-1, 1), absmax.float(), state.blocksize, state.quant_type, state.shape, dtype
-    )
 
 
 def dequantizable_4bit_layers(model: Any) -> list[Any]:
