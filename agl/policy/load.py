@@ -57,10 +57,9 @@ class Policy:
         False  # the update runs LoRA linears merged (model.lora.train_merged, agl/train/merged_lora.py)
     )
     source: str = ""  # where the base weights were loaded from (a local dir or a hub id): the eval cache's key
-    # an update or SFT step dequantizes each 4-bit weight once and keeps it for the step (agl/train/merged_lora.py's
+    # an update or SFT step may dequantize each 4-bit weight once and keep it for the step (agl/train/merged_lora.py's
     # dequantized_4bit_layers): on a CPU, where bitsandbytes' dequantize is a large share of a pass; a GPU keeps
-    # 4-bit's memory saving (its dequantize is a fast kernel). Not where the LoRA layers run merged: they keep their
-    # own merged weight, and only a reference pass (the adapter off) would fill a second dense copy
+    # 4-bit's memory saving (its dequantize is a fast kernel). ``keeps_dequantized`` says whether a step does
     dequantize_once: bool = False
 
     def render_chat(
@@ -78,6 +77,13 @@ class Policy:
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # some tokenizers always return a BatchEncoding
             ids = ids["input_ids"]
         return list(ids)
+
+    @property
+    def keeps_dequantized(self) -> bool:
+        """Whether an update or SFT step keeps each 4-bit weight dequantized for the step: ``dequantize_once``, and
+        not where the LoRA layers run merged (they keep their own merged weight; only a reference pass, the adapter
+        off, would fill a second dense copy)."""
+        return self.dequantize_once and not self.train_merged
 
     @property
     def supports_tools(self) -> bool:

@@ -55,7 +55,7 @@ class GRPOUpdate:
         with (
             update_memory(),
             merged_lora_layers(policy.model, policy.train_merged),
-            dequantized_4bit_layers(policy.model, policy.dequantize_once and not policy.train_merged),
+            dequantized_4bit_layers(policy.model, policy.keeps_dequantized),
         ):
             return self._step(samples, advs)
 

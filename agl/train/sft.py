@@ -102,7 +102,7 @@ def sft_loss_and_backward(
     with (
         checkpointed_layers(policy.model, gradient_checkpointing),
         merged_lora_layers(policy.model, policy.train_merged),
-        dequantized_4bit_layers(policy.model, policy.dequantize_once and not policy.train_merged),
+        dequantized_4bit_layers(policy.model, policy.keeps_dequantized),
     ):
         for indices in sft_micro_batches([len(ids) for ids, _ in examples], micro_batch_size, micro_batch_tokens):
             loss_sum += _micro_batch_backward(policy, [examples[i] for i in indices], head, total_tokens, pad_id)
