@@ -104,7 +104,7 @@ def job(out: Path, name: str, args: list[str]) -> dict:
             )
         if proc.returncode != 0:
             raise SystemExit(f"{name} failed: see {out / f'{name}.log'}")
-        timing = {"wall_s": round(time.perf_counter() - started, 1), "probes": [before, probes()]}
+        timing = {"wall_s": round(time.perf_counter() - started, 1), "probes": [before, probes()], "cpu": cpu()}
         (run_dir / "rl_gain.json").write_text(json.dumps(timing))
     log = out / f"{name}.log"
     return {"name": name, "args": args, **read_run(run_dir, log.read_text() if log.is_file() else "")}
@@ -187,7 +187,7 @@ def fresh_clone(out: Path, target: str) -> dict:
         kept = out / f"make_{target}"  # the run dir outlives the clone
         shutil.rmtree(kept, ignore_errors=True)
         shutil.copytree(run_dir, kept)
-        timing = {"wall_s": wall, "probes": [before, probes()]}
+        timing = {"wall_s": wall, "probes": [before, probes()], "cpu": cpu()}
         (kept / "rl_gain.json").write_text(json.dumps(timing))
         return {
             "name": f"make {target}",
@@ -286,6 +286,11 @@ def probe_cell(record: dict) -> str:
     return " / ".join(cells)
 
 
+def kind(record: dict) -> str:
+    """The job's CPU kind (amx_bf16, avx512_bf16, avx2): its dtype and its speed's class."""
+    return record["cpu"].split(", ")[1] if "cpu" in record else ""
+
+
 def task_of(record: dict) -> str:
     return next(a.split("=", 1)[1] for a in record.get("args", ["task=gsm8k"]) if a.startswith("task="))
 
@@ -296,8 +301,9 @@ def write_report(results: dict) -> None:
     lines = [
         "# Issue 52's campaign: what GRPO teaches apart from the warm-up",
         "",
-        f"{results['cpu']}; commit {results['commit']}, {results['date']}. Written by bench/rl_gain.py. Probes "
-        "before / after each job: bf16 and fp32 matmul GFLOP/s, memory read GB/s.",
+        f"Last written on {results['cpu']} at commit {results['commit']}, {results['date']}, by bench/rl_gain.py. "
+        "Each job's CPU kind is in its row (AVX2: float32 compute). Probes before / after each job: bf16 and fp32 "
+        "matmul GFLOP/s (no bf16 on AVX2: –), memory read GB/s.",
         "",
     ]
     for target in ("demo", "run"):
@@ -305,7 +311,8 @@ def write_report(results: dict) -> None:
             lines += [
                 f"## make {target}, fresh clone",
                 "",
-                f"wall **{record['wall_s']} s**, peak RSS {record['peak_rss_kib']} KiB, probes {probe_cell(record)}; "
+                f"{kind(record)}: wall **{record['wall_s']} s**, peak RSS {record['peak_rss_kib']} KiB, probes "
+                f"{probe_cell(record)}; "
                 "phases: " + ", ".join(f"{k} {v}" for k, v in record["phases"].items()),
                 "",
                 "```text",
@@ -328,12 +335,13 @@ def write_report(results: dict) -> None:
                     change(t.get("rl_change") if "warm" in t else t.get("change")),
                     " -> ".join(f"{x:.3f}" for x in record["reward_halves"] or []),
                     record.get("wall_s", ""),
+                    kind(record),
                     probe_cell(record) if record.get("probes") else "",
                 ]
             )
     if rows:
         headers = ["job", "score", "base", "after warm-up", "end", "warm-up's change", "GRPO's change"]
-        headers += ["train reward, 1st half -> 2nd half", "wall s", "probes"]
+        headers += ["train reward, 1st half -> 2nd half", "wall s", "CPU", "probes"]
         lines += ["## jobs", "", markdown_table(headers, rows), ""]
     rows = []
     for d in results.get("dynamic", []):
