@@ -50,10 +50,8 @@ TASKS = ("sums", "guess_number", "gsm8k")
 PARTS = ("demo", "recipes", "alone", "dynamic", "run")
 SCORES = {"sums": ["correct"], "guess_number": ["reward"], "gsm8k": ["correct", "format"]}  # the tables' 0/1 scores
 DYNAMIC_SEEDS = {"gsm8k": 1}  # the dynamic part's seeds per task, at most (GSM8K's three jobs take ~1.5 h a seed)
-# Minutes a job takes on the 2-core AMX Xeon with nothing beside it (--plan's estimate), as measured there on
-# 2026-12-07 (bench/results/rl_gain.json): sums 163-200 s a recipe job, guess the number alone 698-881 s, GSM8K alone
-# 35 min, GSM8K's recipe 44 min from a fresh clone (`make run`), ~31 min with the baseline eval cached. Guess the
-# number's recipe was not measured there: its alone jobs' time, as a bound (they took 2.5x the harness's plan).
+# Minutes a job takes on the 2-core AMX Xeon with nothing beside it (--plan's estimate): the wall times measured there
+# (bench/results/rl_gain.md; guess the number's recipe, not measured there, at its alone jobs' time)
 MINUTES = {
     ("sums", "recipe"): 3,
     ("sums", "alone"): 3,
@@ -104,10 +102,14 @@ def job(out: Path, name: str, args: list[str]) -> dict:
             )
         if proc.returncode != 0:
             raise SystemExit(f"{name} failed: see {out / f'{name}.log'}")
-        timing = {"wall_s": round(time.perf_counter() - started, 1), "probes": [before, probes()], "cpu": cpu()}
-        (run_dir / "rl_gain.json").write_text(json.dumps(timing))
+        keep_timing(run_dir, round(time.perf_counter() - started, 1), before)
     log = out / f"{name}.log"
     return {"name": name, "args": args, **read_run(run_dir, log.read_text() if log.is_file() else "")}
+
+
+def keep_timing(run_dir: Path, wall_s: float, before: dict) -> None:
+    """A finished job's wall time, the probes before and after it, and the CPU, beside its run (``read_run``)."""
+    (run_dir / "rl_gain.json").write_text(json.dumps({"wall_s": wall_s, "probes": [before, probes()], "cpu": cpu()}))
 
 
 def read_run(run_dir: Path, printed: str) -> dict:
@@ -187,11 +189,9 @@ def fresh_clone(out: Path, target: str) -> dict:
         kept = out / f"make_{target}"  # the run dir outlives the clone
         shutil.rmtree(kept, ignore_errors=True)
         shutil.copytree(run_dir, kept)
-        timing = {"wall_s": wall, "probes": [before, probes()], "cpu": cpu()}
-        (kept / "rl_gain.json").write_text(json.dumps(timing))
+        keep_timing(kept, wall, before)
         return {
             "name": f"make {target}",
-            **timing,
             "peak_rss_kib": int(peak.group(1)) if peak else None,
             "printed_table": proc.stdout[proc.stdout.index("base model") :].split("\n\nreport:")[0],
             **read_run(kept, proc.stdout + proc.stderr),
@@ -204,11 +204,10 @@ def fresh_clone(out: Path, target: str) -> dict:
 def recipes(out: Path, tasks: list[str], seeds: list[int]) -> list[dict]:
     """Each task's default job per seed. ``make run`` is GSM8K's at seed 0 (``task=gsm8k algo=grpo``, the default
     seed): where the run part has finished, its run dir stands for that job (wall time with setup and conversion)."""
-    records = []
+    records, made = [], out / "make_run"
     for t in tasks:
         for s in seeds:
             args = [f"task={t}", "algo=grpo", f"seed={s}"]
-            made = out / "make_run"
             if (t, s) == ("gsm8k", 0) and (made / "status.json").is_file():
                 printed = (out / "make_run.log").read_text()
                 records.append({"name": "make run (recipe_gsm8k_s0)", "args": args, **read_run(made, printed)})
