@@ -9,11 +9,8 @@ import logging
 import os
 import sys
 
-# torch and bitsandbytes each bring an OpenMP runtime; with the default spinning wait policy
-# their idle threads fight over the cores and a forward pass gets several times slower.
-# It must be set before either runtime starts.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
+# OpenMP's wait policy is left to libgomp's default, a bounded spin: the model's work runs on one thread
+# (agl/policy/compute_thread.py), whose one team of workers spins between a step's parallel regions.
 from agl.errors import ConfigError  # noqa: E402
 from agl.memory import cap_kernel_caches, preload_allocator, release_freed_memory, runs_on_cuda  # noqa: E402
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,7 +32,6 @@ CONF = Path(__file__).resolve().parents[1] / "conf"
 
 def run(*overrides: str, run_dir: str | Path | None = None) -> object:
     """Run ``python harness.py *overrides`` in this process; the job's result (see the module docstring)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as harness.py does, if torch is not loaded yet
     from agl.memory import cap_kernel_caches, release_freed_memory
 
     release_freed_memory()  # as harness.py does (late here: what a heap holds already stays there)

@@ -53,6 +53,7 @@ from agl.config import (
 )
 from agl.errors import ConfigError, DiskFull
 from agl.memory import collect, long_lived_frozen
+from agl.policy import compute_thread
 from agl.policy.device import deterministic_kernels
 from agl.policy.engine import Engine
 from agl.policy.load import Policy, load_policy
@@ -148,7 +149,7 @@ class Runtime:
         self._job_task = asyncio.current_task()  # what _fail cancels
         await self._open_store()
         if self._policy is None:
-            self._policy = await asyncio.to_thread(load_policy, self.model_config, self.device)
+            self._policy = await compute_thread.run(load_policy, self.model_config, self.device)
         self._settings.enter_context(long_lived_frozen())  # the collections every few rollouts skip the model
         engine_options = engine_kwargs(self.engine_config, self.model_config.compute_dtype)
         if engine_options["batch_invariant"]:  # an exact run: on CUDA, deterministic kernels too (agl.policy.device)

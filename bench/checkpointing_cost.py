@@ -15,10 +15,6 @@ bench/memory.py --phases' (BENCHMARKS.md "Memory of the default job").
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see harness.py
-
 from agl.memory import release_freed_memory  # noqa: E402
 
 release_freed_memory()  # as harness.py: the update's allocations as in a run

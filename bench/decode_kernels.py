@@ -26,13 +26,10 @@ before and after. Variants alternate within each round; medians of ``--rounds``.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import argparse
 import datetime
 import json
+import os
 import statistics
 import time
 from pathlib import Path

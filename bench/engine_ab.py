@@ -39,7 +39,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def worker(args: argparse.Namespace) -> dict:
     """One arm's run, in this process (the checkout is whatever ``PYTHONPATH`` points at)."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     from agl.memory import release_freed_memory
 
     release_freed_memory()

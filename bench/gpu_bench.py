@@ -21,14 +21,11 @@ finish is written as such, never left out silently.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see harness.py
-
 import argparse
 import asyncio
 import datetime
 import json
+import os
 import statistics
 import time
 from importlib import metadata

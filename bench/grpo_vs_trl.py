@@ -39,15 +39,12 @@ random weights in Qwen2.5-1.5B's shape) and ``--tokenizer`` the folder its token
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see harness.py
-
 import argparse
 import asyncio
 import dataclasses
 import datetime
 import json
+import os
 import shlex
 import statistics
 import subprocess

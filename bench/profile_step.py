@@ -18,10 +18,6 @@ Variants alternate within each measurement (medians), so machine noise hits both
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see harness.py
-
 import argparse
 import asyncio
 import datetime

@@ -55,7 +55,8 @@ class Route:
 
     def __init__(self, tree: Path, run_dir: Path) -> None:
         command = [sys.executable, "harness.py", "algo=serve", "server.port=0", f"hydra.run.dir={run_dir}"]
-        env = {**os.environ, "PYTHONPATH": str(tree)}
+        # each arm's harness.py sets its own OpenMP wait policy (bench.serve's, imported here, is not theirs)
+        env = {**{k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}, "PYTHONPATH": str(tree)}
         self.log = (run_dir.parent / f"{run_dir.name}.log").open("w")
         self.process = subprocess.Popen(command, cwd=tree, env=env, stdout=subprocess.PIPE, stderr=self.log, text=True)
         for line in self.process.stdout:

@@ -27,17 +27,11 @@ Writes bench/results/serve.md and bench/results/serve.json.
 
 from __future__ import annotations
 
-import os
-
-# torch and bitsandbytes each bring their own OpenMP runtime; with the default (active,
-# spinning) wait policy their idle threads fight for the two cores and a forward pass on the
-# main thread gets ~10x slower. Passive waiting must be set before either runtime starts.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
 import argparse
 import asyncio
 import datetime
 import json
+import os
 import platform
 import statistics
 import time
@@ -47,6 +41,7 @@ import openai
 import torch
 
 from agl.memory import peak_rss_mib
+from agl.policy import compute_thread
 from agl.policy.engine import Engine
 from agl.policy.load import load_policy
 from agl.route.server import ModelServer
@@ -148,7 +143,8 @@ def limits(steps: list[tuple[int, int]], costs: dict, gb_s: float, gflop_s: floa
 
 async def main(args: argparse.Namespace) -> dict:
     cfg = model_config(args.model)
-    policy = load_policy(cfg, "cpu")
+    # every torch call on the engine's thread, as in a job (agl/policy/compute_thread.py: one OpenMP pool)
+    policy = await compute_thread.run(load_policy, cfg, "cpu")
     policy.model.eval()
     engine = Engine(policy, max_batch_size=max(64, max(args.clients)))
     fast_step = engine.decode_step
@@ -165,7 +161,10 @@ async def main(args: argparse.Namespace) -> dict:
     server = ModelServer(engine, policy)
     await server.start()
     dtype = policy.compute_dtype
-    probes = {"gb_s": [memory_probe()], "gflop_s": [matmul_probe(dtype)]}
+    probes = {
+        "gb_s": [await compute_thread.run(memory_probe)],
+        "gflop_s": [await compute_thread.run(matmul_probe, dtype)],
+    }
     works = {c: gsm8k_messages(max(c, args.min_requests)) for c in args.clients}
     runs: dict[int, dict[str, list]] = {
         c: {v: [] for v in [*args.decode, *(["direct"] if args.direct else [])]} for c in args.clients
@@ -175,7 +174,7 @@ async def main(args: argparse.Namespace) -> dict:
             use(variant)
             await route_run(server.base_url, policy.name, gsm8k_messages(2), 2, 4)
         if args.direct:
-            direct_run(policy, gsm8k_messages(2), 2, 4)
+            await compute_thread.run(direct_run, policy, gsm8k_messages(2), 2, 4)
         for round_ in range(args.repeats):
             for c in args.clients:
                 order = args.decode if round_ % 2 == 0 else args.decode[::-1]
@@ -187,9 +186,9 @@ async def main(args: argparse.Namespace) -> dict:
                     runs[c][variant].append(run)
                     print(f"round {round_ + 1}, {c} clients, {variant}: {run['tokens_per_s']:.1f} tok/s", flush=True)
                 if args.direct:
-                    runs[c]["direct"].append(direct_run(policy, works[c], c, args.new_tokens))
-        probes["gb_s"].append(memory_probe())
-        probes["gflop_s"].append(matmul_probe(dtype))
+                    runs[c]["direct"].append(await compute_thread.run(direct_run, policy, works[c], c, args.new_tokens))
+        probes["gb_s"].append(await compute_thread.run(memory_probe))
+        probes["gflop_s"].append(await compute_thread.run(matmul_probe, dtype))
     finally:
         await server.stop()
         await engine.stop()

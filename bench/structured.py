@@ -24,10 +24,6 @@ Writes bench/results/structured.json and bench/results/structured.md.
 
 from __future__ import annotations
 
-import os
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see bench/serve.py: before torch loads
-
 import argparse
 import asyncio
 import datetime

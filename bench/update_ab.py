@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see harness.py
-
 from agl.memory import release_freed_memory  # noqa: E402
 
 release_freed_memory()  # as harness.py: before torch allocates

@@ -2,7 +2,9 @@
 
 import os
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # see harness.py: set before torch loads
+# the suite runs its lanes and workers side by side on two cores: OpenMP workers spinning in one process would take
+# the cores from the others (a job alone spins: agl/policy/compute_thread.py). Set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # see harness.py: before cuBLAS starts (CUDA only)
 import atexit
 import shutil

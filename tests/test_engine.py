@@ -7,6 +7,7 @@ cache's buffers get no spare room here, so they grow and compact as often as the
 """
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -114,3 +115,37 @@ def test_scattered_requests_get_what_they_get_alone(policy, alone, decode, sched
             torch.testing.assert_close(
                 torch.tensor(seq.logprobs), torch.tensor(logprobs[:max_tokens]), atol=1e-4, rtol=0
             )
+
+
+def test_steps_run_on_the_one_compute_thread(policy, monkeypatch):
+    """Every engine's steps run on agl.policy.compute_thread's thread (one OpenMP pool for the process, so its
+    workers spin between a step's parallel regions), and stopping an engine waits for its running step."""
+    from agl.policy import compute_thread
+
+    threads = []
+    step = Engine._step
+
+    def recording_step(self, admit):
+        threads.append(threading.get_ident())
+        return step(self, admit)
+
+    monkeypatch.setattr(Engine, "_step", recording_step)
+
+    async def run():
+        engines = [Engine(policy), Engine(policy, batch_invariant=True)]
+        for engine in engines:
+            await engine.start()
+        prompt = policy.render_chat([{"role": "user", "content": TEXTS[0]}])
+        seqs = [e.submit(prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0] for e in engines]
+        await asyncio.gather(*(s.wait() for s in seqs))
+        for engine in engines:
+            await engine.stop()
+        return await compute_thread.run(threading.get_ident), await compute_thread.run(torch.get_num_threads)
+
+    compute, torch_threads = asyncio.run(run())
+    assert threads and set(threads) == {compute} and compute != threading.get_ident()
+    compute_thread.set_threads(1)
+    try:
+        assert asyncio.run(compute_thread.run(torch.get_num_threads)) == 1
+    finally:
+        compute_thread.set_threads(torch_threads)

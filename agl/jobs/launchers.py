@@ -24,7 +24,8 @@ and an ``OMP_NUM_THREADS`` set before agl started (by the user, or by Ray for it
 
 Left out: torch's inter-op pool (``set_num_interop_threads`` may be called only before any parallel
 work; agl's forward passes are intra-op), and jobs run as threads of one process (joblib's
-``prefer=threads``): torch's thread count is per process, so they would share one setting.
+``prefer=threads``): they would share the process's one compute thread (agl.policy.compute_thread), one job's
+model work at a time.
 """
 
 from __future__ import annotations
@@ -156,7 +157,10 @@ def apply_threads(cfg: DictConfig, hydra_cfg: DictConfig | None, loads_torch: bo
     if loads_torch:
         import torch
 
+        from agl.policy import compute_thread
+
         torch.set_num_threads(threads)
+        compute_thread.set_threads(threads)  # per thread in torch: the model's work runs on that one
     log.info("torch threads: %d (%s); malloc: %s", threads, why, active_allocator())
     return threads
 

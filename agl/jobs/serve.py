@@ -32,6 +32,7 @@ from pathlib import Path
 from agl.agents.attach import RUNNERS_KEY, runner_entry
 from agl.config import Config, client_api_key
 from agl.errors import ConfigError
+from agl.policy import compute_thread
 from agl.policy.engine import Engine
 from agl.policy.load import load_policy
 from agl.policy.lora import find_adapter_dir
@@ -58,7 +59,7 @@ async def run_serve(config: Config, run_dir: Path) -> dict:
             store = await parts.enter_async_context(SqliteStore(run_dir / "store.sqlite"))
         else:
             store = None
-        policy = await asyncio.to_thread(load_policy, model, config.device)
+        policy = await compute_thread.run(load_policy, model, config.device)
         engine = Engine(policy, **engine_kwargs(config.engine, model.compute_dtype))
         await engine.start()
         parts.push_async_callback(engine.stop)

@@ -18,8 +18,8 @@ and decoded as its own batch of one: what it samples is a function of its prompt
 parameters and its seed only, which is what makes a seeded run repeat bit for bit. It gives
 up batching (a step costs one forward pass per row), so it is the float32 default, not bf16's.
 
-The model runs in a worker thread so the event loop (and the HTTP route on it) stays
-responsive. ``paused()`` waits for the current step to end and holds the engine still, so
+The model runs on the process's compute thread (agl.policy.compute_thread) so the event loop (and the
+HTTP route on it) stays responsive. ``paused()`` waits for the current step to end and holds the engine still, so
 the trainer never changes weights under a running forward pass.
 
 What is recorded per token is exactly what was sampled: the token id and its log-prob under
@@ -41,12 +41,12 @@ import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from transformers import DynamicCache
 
 from agl.config import EngineConfig
+from agl.policy import compute_thread
 from agl.policy.decode import decode_step
 from agl.policy.grammar import Grammar, GrammarState, allowed_counts, bitmask_words, mask_bias, policy_grammar_tokenizer
 from agl.policy.graph_decode import graph_decode_step
@@ -248,7 +248,6 @@ class Engine:
         self._paused = asyncio.Event()  # set while the loop is held between steps
         self._resume = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agl-engine")
         self.generator = torch.Generator(device="cpu").manual_seed(0)
         self._grammar_tokenizer = None  # llguidance's view of the tokenizer, made at the first grammar
         self.stats = {
@@ -274,7 +273,7 @@ class Engine:
         for seq in self._waiting + self._running_seqs():
             seq._finish("abort")
         self._waiting, self._batches = [], []
-        self._thread.shutdown(wait=True)
+        await compute_thread.run(lambda: None)  # a step still running ends first: the thread runs calls in order
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> list[SequenceStream]:
         """Queue ``n`` continuations of ``prompt_ids``; they share one prefill."""
@@ -351,7 +350,7 @@ class Engine:
             admit = self._take_admissions()
             version = self.policy.version
             try:
-                results = await loop.run_in_executor(self._thread, self._step, admit)
+                results = await loop.run_in_executor(compute_thread.executor(), self._step, admit)
             except Exception as error:  # a step that raises fails the sequences in it, not every request after it
                 self._fail_all(admit, error)
                 continue

@@ -25,7 +25,6 @@ finished ones as they are; the store requeued the ones the dead process was runn
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import time
@@ -38,6 +37,7 @@ from agl.agents.api import final_reward
 from agl.config import GRPOConfig, typed
 from agl.eval.evaluate import cached_row_count, end_eval_rows, eval_during_training
 from agl.eval.failures import check_rollouts
+from agl.policy import compute_thread
 from agl.policy.device import device_memory
 from agl.report.metrics import append_metrics, draw_curves
 from agl.runtime import Runtime, succeeded
@@ -225,7 +225,7 @@ class GRPOTrainer:
                 bar.update(1)
                 self.step += 1
         final_dir = self.run_dir / "adapter"
-        await asyncio.to_thread(self.rt.policy.save_adapter, final_dir)
+        await compute_thread.run(self.rt.policy.save_adapter, final_dir)
         draw_curves(self.run_dir)
         return {"resumed": resumed, "steps": self.step, "adapter": str(final_dir)}
 
@@ -287,7 +287,7 @@ class GRPOTrainer:
         update_metrics: dict[str, Any] = {}
         if kept:
             async with rt.engine.paused():  # no forward pass may run while weights change
-                update_metrics = await asyncio.to_thread(self.update.step, kept, advs)
+                update_metrics = await compute_thread.run(self.update.step, kept, advs)
                 rt.policy.version += 1
         update_s = time.perf_counter() - update_started
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from tqdm.auto import tqdm
 
+from agl.policy import compute_thread
 from agl.policy.engine import SamplingParams
 
 if TYPE_CHECKING:
@@ -148,7 +149,7 @@ async def measure_rates(
                 policy.model.eval()
 
     async with rt.engine.paused():
-        train_s = await asyncio.to_thread(train_pass)
+        train_s = await compute_thread.run(train_pass)
     return Rates(
         batch=batch,
         prefill_s_per_token=prefill_s / prompt_tokens,

@@ -16,7 +16,6 @@ with ``model.adapter=<run dir>`` (SFT, then GRPO).
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import json
 import math
@@ -31,6 +30,7 @@ from agl.config import SFTConfig, typed
 from agl.errors import ConfigError
 from agl.eval.evaluate import eval_during_training
 from agl.memory import update_memory
+from agl.policy import compute_thread
 from agl.policy.device import device_memory
 from agl.report.metrics import append_metrics, draw_curves, metrics_path
 from agl.runtime import Runtime
@@ -204,7 +204,7 @@ class SFTStage:
             return {**stats, "grad_norm": grad_norm}
 
         async with rt.engine.paused():  # no forward pass may run while weights change
-            stats = await asyncio.to_thread(update)
+            stats = await compute_thread.run(update)
             rt.policy.version += 1
         return {
             "step": step,
@@ -292,7 +292,7 @@ class SFTTrainer:
                 bar.update(1)
                 self.step += 1
         final_dir = self.run_dir / "adapter"
-        await asyncio.to_thread(self.rt.policy.save_adapter, final_dir)
+        await compute_thread.run(self.rt.policy.save_adapter, final_dir)
         draw_curves(self.run_dir)
         path = metrics_path(self.run_dir)
         last = json.loads(path.read_text().splitlines()[-1]) if path.is_file() else {}
