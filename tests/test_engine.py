@@ -119,31 +119,45 @@ def test_scattered_requests_get_what_they_get_alone(policy, alone, decode, sched
 
 def test_steps_run_on_the_one_compute_thread(policy, monkeypatch):
     """Every engine's steps run on agl.policy.compute_thread's thread (one OpenMP pool for the process, so its
-    workers spin between a step's parallel regions), and stopping an engine waits for its running step."""
+    workers spin between a step's parallel regions), and so does the cache's row compaction when rows retire at
+    different lengths: the event loop only decides which rows go."""
     from agl.policy import compute_thread
+    from agl.policy import engine as engine_module
 
-    threads = []
-    step = Engine._step
+    steps, compactions = [], []
+    step, keep_rows = Engine._step, engine_module.keep_rows
 
     def recording_step(self, admit):
-        threads.append(threading.get_ident())
+        steps.append(threading.get_ident())
         return step(self, admit)
 
+    def recording_keep_rows(*args):
+        compactions.append(threading.get_ident())
+        return keep_rows(*args)
+
     monkeypatch.setattr(Engine, "_step", recording_step)
+    monkeypatch.setattr(engine_module, "keep_rows", recording_keep_rows)
 
     async def run():
         engines = [Engine(policy), Engine(policy, batch_invariant=True)]
         for engine in engines:
             await engine.start()
         prompt = policy.render_chat([{"role": "user", "content": TEXTS[0]}])
-        seqs = [e.submit(prompt, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))[0] for e in engines]
+        seqs = [
+            seq
+            for engine in engines
+            for n in (2, 3, 5)  # three rows that end on three different steps
+            for seq in engine.submit(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+        ]
         await asyncio.gather(*(s.wait() for s in seqs))
         for engine in engines:
             await engine.stop()
+        assert [len(s.token_ids) for s in seqs] == [2, 3, 5] * 2
         return await compute_thread.run(threading.get_ident), await compute_thread.run(torch.get_num_threads)
 
     compute, torch_threads = asyncio.run(run())
-    assert threads and set(threads) == {compute} and compute != threading.get_ident()
+    assert compactions, "no row was compacted: the test no longer covers retiring rows"
+    assert set(steps) == set(compactions) == {compute} and compute != threading.get_ident()
     compute_thread.set_threads(1)
     try:
         assert asyncio.run(compute_thread.run(torch.get_num_threads)) == 1

@@ -150,6 +150,12 @@ class _Batch:
     mask: torch.Tensor  # [B, T] 1 where a cached position is real, 0 where it is left padding
     positions: torch.Tensor  # [B] position id of each row's next token
     last_tokens: torch.Tensor  # [B] each row's most recent token, fed at the next decode
+    # the rows (ascending) still running after the event loop retired the others: the next step drops the rest
+    # (``_keep_rows``) on the compute thread, where the cache's rows move (agl.policy.compute_thread); None: all
+    keep: list[int] | None = None
+
+    def live(self) -> list[int]:
+        return list(range(len(self.seqs))) if self.keep is None else self.keep
 
 
 def _cache_tensors(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -270,10 +276,10 @@ class Engine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        await compute_thread.run(lambda: None)  # a step still running ends first: the thread runs calls in order
         for seq in self._waiting + self._running_seqs():
             seq._finish("abort")
         self._waiting, self._batches = [], []
-        await compute_thread.run(lambda: None)  # a step still running ends first: the thread runs calls in order
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, n: int = 1) -> list[SequenceStream]:
         """Queue ``n`` continuations of ``prompt_ids``; they share one prefill."""
@@ -322,10 +328,10 @@ class Engine:
 
     @property
     def num_running(self) -> int:
-        return sum(len(batch.seqs) for batch in self._batches)
+        return sum(len(batch.live()) for batch in self._batches)
 
     def _running_seqs(self) -> list[SequenceStream]:
-        return [seq for batch in self._batches for seq in batch.seqs]
+        return [batch.seqs[i] for batch in self._batches for i in batch.live()]
 
     @property
     def num_waiting(self) -> int:
@@ -395,13 +401,15 @@ class Engine:
         return admit
 
     def _retire_finished(self) -> None:
-        """Finish rows that hit a stop condition or were cancelled; drop them from their batch."""
+        """Finish rows that hit a stop condition or were cancelled; the next step drops them from their batch."""
         self._batches = [kept for batch in self._batches if (kept := self._retire_rows(batch)) is not None]
 
     def _retire_rows(self, batch: _Batch) -> _Batch | None:
-        """``batch`` without its finished rows (the same object if none finished; None if all did)."""
+        """``batch`` with its finished rows marked to go (``_Batch.keep``); None if none is left. Only the
+        sequences are touched here, on the event loop: the tensors move on the compute thread."""
         keep = []
-        for i, seq in enumerate(batch.seqs):
+        for i in batch.live():
+            seq = batch.seqs[i]
             if seq.error is not None:  # its grammar failed (agl.policy.grammar): this sequence alone ends
                 seq._finish("error")
             elif seq.cancelled:
@@ -415,11 +423,13 @@ class Engine:
                 seq._finish("length")
             else:
                 keep.append(i)
-        if len(keep) == len(batch.seqs):
-            return batch
-        return _keep_rows(batch, keep) if keep else None
+        if not keep:
+            return None
+        if len(keep) < len(batch.seqs):
+            batch.keep = keep
+        return batch
 
-    # ------------------------------------------------------------------ model work (worker thread)
+    # ------------------------------------------------------------------ model work (the compute thread)
 
     @torch.inference_mode()
     def _step(self, admit: list[SequenceStream]) -> list[tuple[SequenceStream, int, float, list | None, int]]:
@@ -428,6 +438,7 @@ class Engine:
         Admitted rows get their first token from their prefill logits, so after this step every
         row is in the same state: a sampled last token whose KV is not cached yet.
         """
+        self._batches = [batch if batch.keep is None else _keep_rows(batch, batch.keep) for batch in self._batches]
         results = []
         for seqs, logits, batch in self._forward_passes(admit):
             tokens, logprobs, tops, allowed = self._sample(seqs, logits)
