@@ -14,6 +14,10 @@ Here there is one such thread, so one pool, whose worker spins through a step's 
 (libgomp's default: ~300,000 spins, a few milliseconds). The engine's one-row step went from ~49 to ~22 ms and its
 32-row step from ~99 to ~71 ms on the 2-core AMX Xeon (docs/benchmarks-history.md#one-compute-thread).
 
+The price: two such processes on the same cores each hold a core the other waits for (both about twice as slow
+as passive waiting); two jobs started by hand on one machine should set ``OMP_WAIT_POLICY=PASSIVE`` (a sweep's
+launchers split the cores instead: agl.jobs.launchers), as the test suite does.
+
 ``run(fn, ...)`` awaits ``fn`` on it; ``executor()`` is the thread for ``loop.run_in_executor``. Work runs one
 call at a time, in submission order, which the engines and the trainers already assumed (an update runs while
 the engines are paused). ``set_threads(n)`` sizes its OpenMP team (``torch.set_num_threads`` is per thread).
