@@ -238,3 +238,63 @@ def test_algo_store_beyond_the_loopback_without_a_key_is_refused_in_one_line(tmp
         "token), or store.allow_public=true to serve it without a key"
     )
     assert not (tmp_path / "store.sqlite").exists()  # refused before the store was opened
+
+
+class _ResetAfterSending(httpx.HTTPTransport):
+    """Real sockets; the first request to each of ``paths`` reaches the server, then its connection is reset."""
+
+    def __init__(self, *paths: str):
+        super().__init__()
+        self.left = set(paths)
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        response = super().handle_request(request)
+        if request.url.path in self.left:
+            self.left.discard(request.url.path)
+            response.read()
+            raise httpx.ReadError("[Errno 104] Connection reset by peer", request=request)
+        return response
+
+
+class _AsyncResetAfterSending(httpx.AsyncHTTPTransport):
+    def __init__(self, *paths: str):
+        super().__init__()
+        self.left = set(paths)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await super().handle_async_request(request)
+        if request.url.path in self.left:
+            self.left.discard(request.url.path)
+            await response.aread()
+            raise httpx.ReadError("[Errno 104] Connection reset by peer", request=request)
+        return response
+
+
+@asyncio_test
+async def test_a_wait_whose_connection_resets_after_sending_is_sent_again(path: Path):
+    """A server that stops or restarts resets the long polls in flight (CI met it once, in the test above). A wait
+    only reads, so both clients send it again; a write whose outcome is unknown still breaks the client."""
+    local = SqliteStore(path)
+    async with StoreServer(local, port=0) as server:
+        wait, enqueue = "/v1/store/wait_for_rollouts", "/v1/store/enqueue_rollout"
+        rollout = await local.enqueue_rollout({"i": 0})
+        await local.update_rollout(rollout.rollout_id, status="succeeded")
+
+        def sync_calls() -> list:
+            with SyncStoreClient(server.url, transport=_ResetAfterSending(wait, enqueue)) as store:
+                done = store.wait_for_rollouts([rollout.rollout_id], timeout=5)
+                with pytest.raises(StoreUnreachable, match="Connection reset"):
+                    store.enqueue_rollout({"i": 1})
+                return done
+
+        assert [r.rollout_id for r in await asyncio.to_thread(sync_calls)] == [rollout.rollout_id]
+        store = StoreClient(server.url, transport=_AsyncResetAfterSending(wait, enqueue))
+        await store.open()
+        try:
+            done = await store.wait_for_rollouts([rollout.rollout_id], timeout=5)
+            assert [r.rollout_id for r in done] == [rollout.rollout_id]
+            with pytest.raises(StoreUnreachable, match="Connection reset"):
+                await store.enqueue_rollout({"i": 2})
+        finally:
+            await store.close()
+    await local.close()

@@ -26,7 +26,8 @@ gives its session up and joins again, agl/agents/attach.py; a job stops and resu
     what an agent made of it (its calls to the route went the same way) says nothing about the agent.
 
 Requests that could not connect (nothing was sent) are tried again for `connect_retry_s`, so a server that
-restarts is waited for. `wait_for_rollouts` waits in requests of at most 30 s each (api.MAX_WAIT_S).
+restarts is waited for; so is a `wait_for_rollouts` request whose connection failed after it was sent (it only
+reads: `REPEATABLE`). `wait_for_rollouts` waits in requests of at most 30 s each (api.MAX_WAIT_S).
 """
 
 from __future__ import annotations
@@ -82,6 +83,9 @@ ERRORS: dict[str, type[BaseException]] = {
 LIMITS = httpx.Limits(max_connections=256, max_keepalive_connections=64, keepalive_expiry=KEEPALIVE_S)
 # nothing was sent: safe to try again (a retry of a request that reached the server could run it twice)
 NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+# methods that only read: one whose connection failed after it was sent is sent again as if it had not been (a
+# server that stops or restarts resets the long polls of `wait_for_rollouts` in flight)
+REPEATABLE = frozenset({"wait_for_rollouts"})
 
 
 def raise_error(response: httpx.Response) -> None:
@@ -305,20 +309,21 @@ class StoreClient:
                 self._on_broken(reason)
         return error
 
-    async def _send(self, verb: str, path: str, **kwargs: Any) -> httpx.Response:
-        """One request; tried again while it cannot connect (for `connect_retry_s`)."""
+    async def _send(self, verb: str, path: str, repeatable: bool = False, **kwargs: Any) -> httpx.Response:
+        """One request; tried again while it cannot connect (for `connect_retry_s`), and a `repeatable` one also
+        when its connection failed after it was sent."""
         deadline = time.monotonic() + self._wire.connect_retry_s
         pause = 0.05
         while True:
             try:
                 return await self._http.request(verb, path, headers=self._wire.headers(), **kwargs)
-            except NOT_SENT as error:
+            except httpx.TransportError as error:
+                if not (repeatable or isinstance(error, NOT_SENT)):
+                    raise self._break(f"a request to the store at {self.url} failed: {error!r}") from None
                 if time.monotonic() >= deadline:
                     raise self._break(f"cannot reach the store at {self.url}: {error!r}") from None
                 await asyncio.sleep(pause)
                 pause = min(pause * 2, 2.0)
-            except httpx.TransportError as error:
-                raise self._break(f"a request to the store at {self.url} failed: {error!r}") from None
 
     async def _call(self, method: Method, arguments: dict[str, Any]) -> Any:
         self._wire.check_usable()
@@ -328,6 +333,7 @@ class StoreClient:
         response = await self._send(
             "POST",
             f"/v1/store/{method.name}",
+            repeatable=method.name in REPEATABLE,
             content=body,
             timeout=_timeout(self._wire.read_timeout(method)),
         )
@@ -412,19 +418,19 @@ class SyncStoreClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _send(self, verb: str, path: str, **kwargs: Any) -> httpx.Response:
+    def _send(self, verb: str, path: str, repeatable: bool = False, **kwargs: Any) -> httpx.Response:
         deadline = time.monotonic() + self._wire.connect_retry_s
         pause = 0.05
         while True:
             try:
                 return self._http.request(verb, path, headers=self._wire.headers(), **kwargs)
-            except NOT_SENT as error:
+            except httpx.TransportError as error:
+                if not (repeatable or isinstance(error, NOT_SENT)):
+                    raise self._wire.lost(f"a request to the store at {self.url} failed: {error!r}") from None
                 if time.monotonic() >= deadline:
                     raise self._wire.lost(f"cannot reach the store at {self.url}: {error!r}") from None
                 time.sleep(pause)
                 pause = min(pause * 2, 2.0)
-            except httpx.TransportError as error:
-                raise self._wire.lost(f"a request to the store at {self.url} failed: {error!r}") from None
 
     def _call(self, method: Method, arguments: dict[str, Any]) -> Any:
         self._wire.check_usable()
@@ -433,6 +439,7 @@ class SyncStoreClient:
         response = self._send(
             "POST",
             f"/v1/store/{method.name}",
+            repeatable=method.name in REPEATABLE,
             content=method.encode_arguments(arguments),
             timeout=_timeout(self._wire.read_timeout(method)),
         )
