@@ -228,7 +228,7 @@ async def main(args: argparse.Namespace) -> dict:
             f"{platform.machine()}, {torch.backends.cpu.get_cpu_capability()}, "
             f"{torch.get_num_threads()} torch threads, CPU"
         ),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (libgomp's bounded spin)"),
         "load_average": os.getloadavg(),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
     }

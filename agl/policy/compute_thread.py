@@ -6,17 +6,17 @@ before it sleeps. A decode step opens ~150 regions (four matmuls and an attentio
 the worker is still spinning when the next one opens is most of a small step's cost: a futex wake-up of a sleeping
 worker costs tens of microseconds on a VM. Two things made every wake-up a sleeping one:
 
-  - ``OMP_WAIT_POLICY=PASSIVE`` (harness.py set it until 2026-12-07): no spin at all;
+  - ``OMP_WAIT_POLICY=PASSIVE`` (harness.py used to set it): no spin at all;
   - model work spread over several threads (the engine's own, ``asyncio.to_thread``'s for loading and updates):
     one pool each, and once the pools' workers outnumber the cores libgomp spins only ~100 times.
 
 Here there is one such thread, so one pool, whose worker spins through a step's regions and sleeps between steps
-(libgomp's default: ~300,000 spins, a few milliseconds). The engine's one-row step went from ~49 to ~22 ms and its
-32-row step from ~99 to ~71 ms on the 2-core AMX Xeon (docs/benchmarks-history.md#one-compute-thread).
+(libgomp's default: ~300,000 spins, a few milliseconds). What it gained and what it costs:
+docs/benchmarks-history.md#one-compute-thread.
 
-The price: two such processes on the same cores each hold a core the other waits for (both about twice as slow
-as passive waiting); two jobs started by hand on one machine should set ``OMP_WAIT_POLICY=PASSIVE`` (a sweep's
-launchers split the cores instead: agl.jobs.launchers), as the test suite does.
+The price: two such processes on the same cores each hold a core the other waits for; two jobs started by hand
+on one machine should set ``OMP_WAIT_POLICY=PASSIVE`` (a sweep's launchers split the cores instead:
+agl.jobs.launchers), as the test suite does.
 
 ``run(fn, ...)`` awaits ``fn`` on it; ``executor()`` is the thread for ``loop.run_in_executor``. Work runs one
 call at a time, in submission order, which the engines and the trainers already assumed (an update runs while

@@ -170,8 +170,7 @@ def _keep_rows(batch: _Batch, keep: list[int]) -> _Batch:
     index = torch.tensor(order)
     mask = batch.mask[index]
     first_real = int((mask.sum(0) > 0).nonzero()[0])  # columns padded in every row are dead weight
-    with torch.inference_mode():  # the cache's tensors were made in inference mode
-        keep_rows(batch.cache, moves, len(keep), first_real)
+    keep_rows(batch.cache, moves, len(keep), first_real)  # in the step's inference mode, as the cache was made
     return _Batch(
         seqs=[batch.seqs[i] for i in order],
         cache=batch.cache,
@@ -340,7 +339,6 @@ class Engine:
     # ------------------------------------------------------------------ the loop
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         while True:
             if self._pausers:
                 self._paused.set()
@@ -356,7 +354,7 @@ class Engine:
             admit = self._take_admissions()
             version = self.policy.version
             try:
-                results = await loop.run_in_executor(compute_thread.executor(), self._step, admit)
+                results = await compute_thread.run(self._step, admit)
             except Exception as error:  # a step that raises fails the sequences in it, not every request after it
                 self._fail_all(admit, error)
                 continue
