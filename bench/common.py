@@ -61,13 +61,15 @@ def model_config(name: str = "smollm2", compute_dtype: str | None = None) -> Any
 def load_model(
     name: str = "smollm2", compute_dtype: str | None = None, device: str = "cpu", tokenizer: str | None = None
 ) -> Any:
-    """The policy of ``model_config(name, compute_dtype)``, on ``device`` (``tokenizer``: ``model.tokenizer``)."""
+    """The policy of ``model_config(name, compute_dtype)``, on ``device`` (``tokenizer``: ``model.tokenizer``), loaded
+    on the compute thread as a job loads it (agl/policy/compute_thread.py: one OpenMP pool for the engine's steps)."""
+    from agl.policy import compute_thread
     from agl.policy.load import load_policy
 
     cfg = model_config(name, compute_dtype)
     if tokenizer:
         cfg.tokenizer = tokenizer
-    return load_policy(cfg, device)
+    return compute_thread.call(load_policy, cfg, device)
 
 
 def time_method(obj: Any, name: str, key: str, timings: dict) -> None:
@@ -106,7 +108,14 @@ def timed(fn: Any) -> float:
 
 def matmul_probe(dtype: Any, n: int = 2048, rounds: int = 5, warmup: int = 1, device: str = "cpu") -> float:
     """GFLOP/s of an n x n matmul in ``dtype`` (a torch dtype) on ``device``, best of ``rounds`` after ``warmup``
-    calls (on a GPU each timed call waits for the product: ``synchronize``)."""
+    calls (on a GPU each timed call waits for the product: ``synchronize``). On the compute thread, as the probes
+    below: a probe from another thread would start a second OpenMP pool beside the engine's."""
+    from agl.policy import compute_thread
+
+    return compute_thread.call(_matmul_probe, dtype, n, rounds, warmup, device)
+
+
+def _matmul_probe(dtype: Any, n: int, rounds: int, warmup: int, device: str) -> float:
     import torch
 
     a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
@@ -119,7 +128,13 @@ def matmul_probe(dtype: Any, n: int = 2048, rounds: int = 5, warmup: int = 1, de
 
 
 def memory_probe(gib: float = 1.0, rounds: int = 5) -> float:
-    """GB/s reading a ``gib`` GiB float32 tensor (a sum), best of ``rounds``."""
+    """GB/s reading a ``gib`` GiB float32 tensor (a sum), best of ``rounds``, on the compute thread."""
+    from agl.policy import compute_thread
+
+    return compute_thread.call(_memory_probe, gib, rounds)
+
+
+def _memory_probe(gib: float, rounds: int) -> float:
     import torch
 
     data = torch.ones(int(gib * 2**30) // 4)

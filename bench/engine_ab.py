@@ -51,10 +51,9 @@ def worker(args: argparse.Namespace) -> dict:
     import torch
 
     from agl.policy.engine import Engine, SamplingParams
-    from agl.policy.load import load_policy
-    from bench.common import gsm8k_prompts, model_config
+    from bench.common import gsm8k_prompts, load_model
 
-    policy = load_policy(model_config(args.model), "cpu")
+    policy = load_model(args.model)  # on the compute thread, as the engine's steps
     policy.model.eval()
     lengths = random.Random(args.seed).choices(range(args.min_tokens, args.max_tokens + 1), k=args.requests)
     prompts = [

@@ -29,6 +29,7 @@ from collections import defaultdict
 
 import torch
 
+from agl.policy.compute_thread import call
 from bench.common import RESULTS, gsm8k_prompts, load_model, matmul_probe, time_method
 
 BATCH, PROMPT, NEW_TOKENS = 32, 150, 128
@@ -179,20 +180,20 @@ def main() -> None:
     }
     update = {name: [] for name in update_variants} if "update" in args.parts else {}
     if update:
-        update_step(policy, fused=True)  # warm-up
+        call(update_step, policy, fused=True)  # warm-up
     for round_ in range(args.rounds):
         print(f"round {round_ + 1}/{args.rounds}", flush=True)
         for name in decode:
-            decode[name].append(decode_steps(models[name](), steps=10))
+            decode[name].append(call(decode_steps, models[name](), steps=10))
         for name in engine:
             engine[name].append(engine_split(policy, name))
         turn = round_ % max(len(update), 1)
         for name in list(update)[turn:] + list(update)[:turn]:  # each variant first in turn
             fused, lora_merged = update_variants[name]
-            update[name].append(update_step(policy, fused=fused, merged=lora_merged))
+            update[name].append(call(update_step, policy, fused=fused, merged=lora_merged))
     if args.profile:
-        decode_steps(merged.model(), steps=1, profile=True)
-        update_step(policy, fused=True, profile=True)
+        call(decode_steps, merged.model(), steps=1, profile=True)
+        call(update_step, policy, fused=True, profile=True)
 
     probes.append(matmul_probe(policy.compute_dtype))
     result = {

@@ -35,6 +35,7 @@ import time
 import jsonschema
 import openai
 
+from agl.policy import compute_thread
 from agl.policy.engine import Engine
 from agl.policy.load import load_policy
 from agl.route.server import ModelServer
@@ -222,7 +223,7 @@ def summary(judged: list[dict]) -> dict:
 
 
 async def main(args: argparse.Namespace) -> dict:
-    policy = load_policy(model_config("smollm2"), "cpu")
+    policy = await compute_thread.run(load_policy, model_config("smollm2"), "cpu")  # the engine's thread: one pool
     engine = Engine(policy)
     await engine.start()
     server = ModelServer(engine, policy)

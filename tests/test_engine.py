@@ -158,6 +158,9 @@ def test_steps_run_on_the_one_compute_thread(policy, monkeypatch):
     compute, torch_threads = asyncio.run(run())
     assert compactions, "no row was compacted: the test no longer covers retiring rows"
     assert set(steps) == set(compactions) == {compute} and compute != threading.get_ident()
+    # call() blocks on it from a script's thread, and runs at once when already on it (no wait on itself)
+    assert compute_thread.call(threading.get_ident) == compute
+    assert compute_thread.call(compute_thread.call, threading.get_ident) == compute
     compute_thread.set_threads(1)
     try:
         assert asyncio.run(compute_thread.run(torch.get_num_threads)) == 1

@@ -18,7 +18,8 @@ The price: two such processes on the same cores each hold a core the other waits
 on one machine should set ``OMP_WAIT_POLICY=PASSIVE`` (a sweep's launchers split the cores instead:
 agl.jobs.launchers), as the test suite does.
 
-``run(fn, ...)`` awaits ``fn`` on it; ``executor()`` is the thread for ``loop.run_in_executor``. Work runs one
+``run(fn, ...)`` awaits ``fn`` on it; ``call(fn, ...)`` blocks on it (scripts without an event loop: bench/);
+``executor()`` is the thread for ``loop.run_in_executor``. Work runs one
 call at a time, in submission order, which the engines and the trainers already assumed (an update runs while
 the engines are paused). ``set_threads(n)`` sizes its OpenMP team (``torch.set_num_threads`` is per thread).
 """
@@ -38,6 +39,7 @@ import torch
 
 T = TypeVar("T")
 
+NAME = "agl-compute"  # the thread's name
 _lock = threading.Lock()
 _executor: ThreadPoolExecutor | None = None
 _threads: int | None = None  # torch threads on the compute thread; None: torch's default there
@@ -53,7 +55,7 @@ def executor() -> ThreadPoolExecutor:
     global _executor
     with _lock:
         if _executor is None:
-            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agl-compute", initializer=_start)
+            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=NAME, initializer=_start)
         return _executor
 
 
@@ -69,6 +71,14 @@ async def run(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
     """``await fn(*args, **kwargs)`` run on the compute thread, in the caller's context (as ``asyncio.to_thread``)."""
     call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
     return await asyncio.get_running_loop().run_in_executor(executor(), call)
+
+
+def call(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
+    """``fn(*args, **kwargs)`` on the compute thread, blocking the caller; called on the compute thread, it runs there
+    at once (a single worker waiting on itself would never return)."""
+    if threading.current_thread().name.startswith(NAME):
+        return fn(*args, **kwargs)
+    return executor().submit(fn, *args, **kwargs).result()
 
 
 def _forget_after_fork() -> None:  # a forked child has the executor object but not its thread
