@@ -48,7 +48,9 @@ from bench.common import RESULTS, ROOT, cpu, matmul_probe
 
 TASKS = ("sums", "guess_number", "gsm8k")
 PARTS = ("demo", "recipes", "alone", "dynamic", "run")
-SCORES = {"sums": ["correct"], "guess_number": ["reward"], "gsm8k": ["correct", "format"]}  # the tables' 0/1 scores
+# The tables' 0/1 scores (guess the number's reward was its 0/1 win before task.resources.search_bonus; a job's row
+# shows those its final table has)
+SCORES = {"sums": ["correct"], "guess_number": ["won", "reward"], "gsm8k": ["correct", "format"]}
 DYNAMIC_SEEDS = {"gsm8k": 1}  # the dynamic part's seeds per task, at most (GSM8K's three jobs take ~1.5 h a seed)
 # Minutes a job takes on the 2-core AMX Xeon with nothing beside it (--plan's estimate): the wall times measured there
 # (bench/results/rl_gain.md; guess the number's recipe, not measured there, at its alone jobs' time)
@@ -321,8 +323,8 @@ def write_report(results: dict) -> None:
             ]
     rows = []
     for record in [*results.get("recipes", []), *results.get("alone", [])]:
-        for score in SCORES[task_of(record)]:
-            t = record["table"].get(score, {})
+        for score in (s for s in SCORES[task_of(record)] if s in record["table"]):
+            t = record["table"][score]
             rows.append(
                 [
                     record["name"],
