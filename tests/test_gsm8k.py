@@ -283,7 +283,7 @@ def test_gsm8k_grpo_runs_its_recipe_and_other_tasks_keep_the_algo_defaults():
 
     gsm8k = algo("task=gsm8k", "algo=grpo")
     assert (gsm8k["warmup"]["steps"], gsm8k["steps"], gsm8k["eval_every"]) == (20, 8, 0)
-    assert gsm8k["dynamic_sampling"] and gsm8k["max_extra_groups"] == 12
+    assert not gsm8k["dynamic_sampling"]
     assert gsm8k["warmup"]["lr"] == 2e-4 and gsm8k["warmup"]["split"] == "train"
     hello = algo("task=hello", "algo=grpo")
     assert (hello["warmup"]["steps"], hello["steps"], hello["eval_every"]) == (0, 30, 15)
