@@ -95,7 +95,7 @@ def demonstrations(split: str, prompt_template: str = SYSTEM, max_turns: int = 6
     for row in load(split):
         lo, hi, secret = 1, 100, row["secret"]
         messages = [{"role": "system", "content": prompt_template}, {"role": "user", "content": FIRST}]
-        for turn in range(max_turns):  # noqa: B007 (the turns played, after the loop)
+        for _turn in range(max_turns):
             guess = (lo + hi) // 2
             messages.append({"role": "assistant", "content": str(guess)})
             if guess == secret:
