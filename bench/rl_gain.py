@@ -53,12 +53,12 @@ PARTS = ("demo", "recipes", "alone", "dynamic", "run")
 SCORES = {"sums": ["correct"], "guess_number": ["won", "reward"], "gsm8k": ["correct", "format"]}
 DYNAMIC_SEEDS = {"gsm8k": 1}  # the dynamic part's seeds per task, at most (GSM8K's three jobs take ~1.5 h a seed)
 # Minutes a job takes on the 2-core AMX Xeon with nothing beside it (--plan's estimate): the wall times measured there
-# (bench/results/rl_gain.md; guess the number's recipe, not measured there, at its alone jobs' time)
+# (bench/results/rl_gain.md; guess the number's alone jobs at its earlier recipe's 10 GRPO steps, now 20)
 MINUTES = {
     ("sums", "recipe"): 3,
     ("sums", "alone"): 3,
-    ("guess_number", "recipe"): 13,
-    ("guess_number", "alone"): 13,
+    ("guess_number", "recipe"): 20,
+    ("guess_number", "alone"): 20,
     ("gsm8k", "recipe"): 27,
     ("gsm8k", "alone"): 35,
 }

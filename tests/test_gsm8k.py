@@ -285,6 +285,9 @@ def test_gsm8k_grpo_runs_its_recipe_and_other_tasks_keep_the_algo_defaults():
     assert (gsm8k["warmup"]["steps"], gsm8k["steps"], gsm8k["eval_every"]) == (20, 8, 0)
     assert not gsm8k["dynamic_sampling"]
     assert gsm8k["warmup"]["lr"] == 2e-4 and gsm8k["warmup"]["split"] == "train"
+    guess = algo("task=guess_number", "algo=grpo")  # issue 52's pilots: 2e-4 collapsed it, 10 steps did not move it
+    assert (guess["warmup"]["steps"], guess["steps"], guess["lr"], guess["temperature"]) == (30, 20, 5e-5, 1.0)
+    assert guess["warmup"]["lr"] == 2e-4 and not guess["dynamic_sampling"]
     hello = algo("task=hello", "algo=grpo")
     assert (hello["warmup"]["steps"], hello["steps"], hello["eval_every"]) == (0, 30, 15)
     overridden = algo("task=gsm8k", "algo=grpo", "algo.warmup.steps=0", "algo.steps=3")
