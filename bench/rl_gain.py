@@ -53,7 +53,7 @@ PARTS = ("demo", "recipes", "alone", "dynamic", "run")
 SCORES = {"sums": ["correct"], "guess_number": ["won", "reward"], "gsm8k": ["correct", "format"]}
 DYNAMIC_SEEDS = {"gsm8k": 1}  # the dynamic part's seeds per task, at most (GSM8K's three jobs take ~1.5 h a seed)
 # Minutes a job takes on the 2-core AMX Xeon with nothing beside it (--plan's estimate): the wall times measured there
-# (bench/results/rl_gain.md; guess the number's alone jobs at its earlier recipe's 10 GRPO steps, now 20)
+# (bench/results/rl_gain.md; guess the number's recipe jobs took 14-18 min, its alone jobs not yet run at 20 steps)
 MINUTES = {
     ("sums", "recipe"): 3,
     ("sums", "alone"): 3,
